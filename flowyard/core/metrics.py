@@ -1,0 +1,337 @@
+"""Serving metrics: per-request latencies, run summaries, goodput and serving-capacity search.
+
+Definitions (DESIGN.md, "Workloads and metrics"), all in seconds:
+  TTFT = first token - arrival; TPOT = (last - first) / (n - 1), undefined for n == 1;
+  TBT  = every gap between consecutive output tokens (ITL is the same set, vLLM's name);
+  E2E  = last token - arrival.
+Percentiles use numpy's default (linear interpolation between order statistics), so they
+match `np.percentile` on the same samples. Latency statistics cover completed requests only
+(as `vllm bench serve` does); SLO attainment counts every request, rejected ones included.
+
+SLO comparisons allow EPS (1 ns) of slack so that a latency exactly at its objective meets it
+even after float rounding (e.g. 0.3 - 0.1 > 0.2 in binary floating point).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from flowyard.core.request import RequestState, Status
+
+EPS = 1e-9
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+
+
+# ---------------------------------------------------------------- per request
+
+def ttft(state: RequestState) -> float | None:
+    """Time to first token, or None when no token was emitted."""
+    if state.first_token_time is None:
+        return None
+    return state.first_token_time - state.req.arrival
+
+
+def tpot(state: RequestState) -> float | None:
+    """Mean time per output token after the first; None with fewer than two tokens."""
+    t = state.all_token_times()
+    if len(t) < 2:
+        return None
+    return float(t[-1] - t[0]) / (len(t) - 1)
+
+
+def tbt(state: RequestState) -> np.ndarray:
+    """Every gap between consecutive output tokens (empty with fewer than two tokens)."""
+    return np.diff(state.all_token_times())
+
+
+def e2e(state: RequestState) -> float | None:
+    """Last token - arrival; None when no token was emitted."""
+    t = state.all_token_times()
+    if len(t) == 0:
+        return None
+    return float(t[-1]) - state.req.arrival
+
+
+def meets_slo(state: RequestState) -> bool:
+    """Whether the request finished and met every SLO it carries.
+
+    Rejected, aborted and unfinished requests never meet it; neither does a finished request
+    with no recorded token (nothing shows it was served). A finished request that carries no
+    SLO counts as meeting it, so attainment of an SLO-free workload is its completion rate.
+    TPOT and TBT objectives hold vacuously for a single-token output.
+    """
+    if state.status is not Status.FINISHED:
+        return False
+    t = state.all_token_times()
+    if len(t) == 0:
+        return False
+    slo = state.req.slo
+    if slo.ttft is not None and t[0] - state.req.arrival > slo.ttft + EPS:
+        return False
+    if len(t) >= 2:
+        if slo.tpot is not None and (t[-1] - t[0]) / (len(t) - 1) > slo.tpot + EPS:
+            return False
+        if slo.tbt is not None and np.diff(t).max() > slo.tbt + EPS:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- summary
+
+def stats(values: np.ndarray, *, scratch: bool = False) -> dict[str, float]:
+    """{mean, p50, p90, p99} of `values`; NaN everywhere when there are none.
+    scratch=True lets numpy partition `values` in place (saves a copy of millions of gaps)."""
+    if len(values) == 0:
+        return {"mean": math.nan, **{k: math.nan for k in PERCENTILES}}
+    mean = float(np.mean(values))
+    pct = np.percentile(values, list(PERCENTILES.values()), overwrite_input=scratch)
+    return {"mean": mean, **{k: float(v) for k, v in zip(PERCENTILES, pct)}}
+
+
+@dataclass(slots=True)
+class Summary:
+    """One run's results. Latency dicts hold seconds; NaN means no sample (None in JSON)."""
+
+    policy: str = ""
+    requests: int = 0
+    completed: int = 0
+    rejected: int = 0
+    aborted: int = 0
+    duration_s: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttft: dict[str, float] = field(default_factory=lambda: stats(np.empty(0)))
+    tpot: dict[str, float] = field(default_factory=lambda: stats(np.empty(0)))
+    e2e: dict[str, float] = field(default_factory=lambda: stats(np.empty(0)))
+    tbt: dict[str, float] = field(default_factory=lambda: stats(np.empty(0)))
+    itl: dict[str, float] = field(default_factory=lambda: stats(np.empty(0)))
+    slo_attainment: float = 0.0
+    throughput_rps: float = 0.0
+    output_tokens_per_s: float = 0.0
+    token_goodput: float = 0.0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (DESIGN.md `--json` keys); NaN becomes None so the JSON is strict."""
+        return _nan_to_none(asdict(self))
+
+
+def _nan_to_none(x):
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def summarize(states: Sequence[RequestState], *, duration: float | None = None,
+              policy: str = "", wall_s: float = 0.0) -> Summary:
+    """Summarise a run. Vectorised: one concatenation of every completed request's token
+    chunks, then per-request first/last/max-gap by index arithmetic, so ~80k requests with
+    millions of tokens take a fraction of a second (no per-token Python).
+
+    duration defaults to last finish (finish_time, else last token) - first arrival; rates
+    are 0 when it is not positive.
+    """
+    n_req = len(states)
+    rejected = aborted = 0
+    chunks: list[np.ndarray] = []
+    nchunks: list[int] = []
+    arrival: list[float] = []
+    slo_ttft: list[float] = []
+    slo_tpot: list[float] = []
+    slo_tbt: list[float] = []
+    prompt: list[int] = []
+    finish: list[float] = []
+    first_arrival = math.inf
+    FIN, REJ, ABO, nan = Status.FINISHED, Status.REJECTED, Status.ABORTED, math.nan
+    for s in states:
+        req = s.req
+        if req.arrival < first_arrival:
+            first_arrival = req.arrival
+        st = s.status
+        if st is not FIN:
+            if st is REJ:
+                rejected += 1
+            elif st is ABO:
+                aborted += 1
+            continue
+        tt = s.token_times
+        chunks.extend(tt)
+        nchunks.append(len(tt))
+        arrival.append(req.arrival)
+        slo = req.slo
+        v = slo.ttft
+        slo_ttft.append(nan if v is None else v)
+        v = slo.tpot
+        slo_tpot.append(nan if v is None else v)
+        v = slo.tbt
+        slo_tbt.append(nan if v is None else v)
+        prompt.append(req.prompt_len)
+        v = s.finish_time
+        finish.append(nan if v is None else v)
+
+    out = Summary(policy=policy, requests=n_req, completed=len(arrival), rejected=rejected,
+                  aborted=aborted, wall_s=wall_s, input_tokens=int(sum(prompt)))
+    if not arrival:
+        out.duration_s = duration if duration is not None else 0.0
+        return out
+
+    # Token span [start, end) of each completed request inside the concatenation. A trailing
+    # NaN sentinel keeps the first/last lookups of token-less requests in range.
+    all_t = np.concatenate(chunks + [np.full(1, np.nan)]).astype(float, copy=False)
+    clen = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
+    cum = np.concatenate(([0], np.cumsum(clen)))
+    nch = np.asarray(nchunks, dtype=np.int64)
+    cend = np.cumsum(nch)
+    start, end = cum[cend - nch], cum[cend]
+    n = end - start
+    has = n > 0
+    arr = np.asarray(arrival)
+    first = np.where(has, all_t[start], np.nan)
+    last = np.where(has, all_t[end - 1], np.nan)
+    all_t = all_t[:-1]
+
+    # Gaps: diff over the whole concatenation; the gaps that straddle two requests become
+    # -inf, so a max over a request's span ignores them, then they are dropped.
+    gaps = np.diff(all_t)
+    bounds = start[has & (start > 0)] - 1
+    gaps[bounds[bounds < len(gaps)]] = -np.inf
+    multi = n >= 2
+    max_gap = np.full(len(n), np.nan)
+    if multi.any():
+        max_gap[multi] = np.maximum.reduceat(gaps, start[multi])
+    tpot_v = np.where(multi, (last - first) / np.maximum(n - 1, 1), np.nan)
+    ttft_v = first - arr
+
+    def ok(value: np.ndarray, limit: list[float], vacuous: np.ndarray) -> np.ndarray:
+        lim = np.asarray(limit)
+        return np.isnan(lim) | vacuous | (value <= lim + EPS)
+
+    meets = has & ok(ttft_v, slo_ttft, ~has) & ok(tpot_v, slo_tpot, ~multi) \
+        & ok(max_gap, slo_tbt, ~multi)
+
+    fin = np.asarray(finish)
+    fin = np.where(np.isnan(fin), last, fin)
+    fin = fin[~np.isnan(fin)]
+    if duration is None:
+        duration = float(fin.max()) - first_arrival if len(fin) else 0.0
+    out.duration_s = duration
+    out.output_tokens = int(n.sum())
+    gap_values = gaps[gaps != -np.inf] if len(bounds) else gaps
+    out.ttft = stats(ttft_v[has])
+    out.tpot = stats(tpot_v[multi])
+    out.e2e = stats((last - arr)[has])
+    out.tbt = stats(gap_values, scratch=True)
+    out.itl = dict(out.tbt)
+    out.slo_attainment = float(meets.sum()) / n_req
+    if duration > 0:
+        out.throughput_rps = len(arrival) / duration
+        out.output_tokens_per_s = out.output_tokens / duration
+        out.token_goodput = float(n[meets].sum()) / duration
+    return out
+
+
+# ---------------------------------------------------------------- goodput search
+
+@dataclass(slots=True)
+class GoodputResult:
+    """Outcome of a rate search.
+
+    goodput: the highest evaluated rate known to meet the criterion (0 when even `lo` fails).
+    curve: every evaluated (rate, value) sorted by rate; value is attainment for
+      goodput_search and P99 TBT (s) for serving_capacity.
+    capped: the criterion still held at the expansion cap, so the true value may be higher.
+    """
+
+    goodput: float
+    curve: list[tuple[float, float]]
+    policy: str = ""
+    target: float = 0.9
+    capped: bool = False
+    never_met: bool = False
+    note: str = ""
+
+    @property
+    def evals(self) -> int:
+        return len(self.curve)
+
+    def to_dict(self) -> dict:
+        """DESIGN.md `goodput --json` entry: policy, goodput_rps, curve [[rate, value], ...]."""
+        return {"policy": self.policy, "goodput_rps": self.goodput,
+                "curve": [[r, _nan_to_none(v)] for r, v in self.curve], "target": self.target,
+                "capped": self.capped, "never_met": self.never_met, "note": self.note}
+
+
+def _search(measure: Callable[[float], float], good: Callable[[float], bool], *, lo: float,
+            hi: float, tol: float, max_evals: int, max_hi: float | None, target: float,
+            policy: str) -> GoodputResult:
+    """Find the largest rate where good(measure(rate)) holds, assuming it holds below some
+    threshold and fails above it (roughly monotone). Checks lo, then hi, doubling hi up to
+    max_hi while it still holds, then bisects until the bracket is within tol (relative)."""
+    if not 0 <= lo < hi:
+        raise ValueError(f"need 0 <= lo < hi, got lo={lo}, hi={hi}")
+    if max_evals < 2:
+        raise ValueError("max_evals must be >= 2")
+    cap = max_hi if max_hi is not None else hi * 16
+    seen: dict[float, float] = {}
+
+    def probe(rate: float) -> bool:
+        if rate not in seen:
+            seen[rate] = float(measure(rate))
+        return good(seen[rate])
+
+    def result(goodput: float, **kw) -> GoodputResult:
+        curve = sorted(seen.items())
+        return GoodputResult(goodput, curve, policy=policy, target=target, **kw)
+
+    if not probe(lo):
+        return result(0.0, never_met=True, note=f"criterion not met even at the lowest rate {lo:g}")
+    ok_rate, bad_rate = lo, hi
+    while probe(bad_rate):
+        ok_rate = bad_rate
+        if bad_rate >= cap or len(seen) >= max_evals:
+            return result(ok_rate, capped=True,
+                          note=f"criterion still met at {ok_rate:g} (search cap); goodput >= that")
+        bad_rate = min(bad_rate * 2, cap)
+    while bad_rate - ok_rate > tol * bad_rate and len(seen) < max_evals:
+        mid = 0.5 * (ok_rate + bad_rate)
+        if probe(mid):
+            ok_rate = mid
+        else:
+            bad_rate = mid
+    return result(ok_rate)
+
+
+def goodput_search(attainment_at: Callable[[float], float], *, lo: float, hi: float,
+                   target: float = 0.9, tol: float = 0.01, max_evals: int = 24,
+                   max_hi: float | None = None, policy: str = "") -> GoodputResult:
+    """Goodput: the highest rate at which SLO attainment stays >= target.
+
+    attainment_at(rate) runs the workload at that rate (or rate scale) and returns attainment
+    in [0, 1]. Attainment is assumed roughly monotone (non-increasing) in rate; with noise the
+    result is one crossing of the target, not necessarily the highest. tol is relative: the
+    search stops when (fail - ok) <= tol * fail. If attainment still meets the target at hi,
+    hi doubles up to max_hi (default 16 * hi) and the result is marked `capped` there.
+    """
+    return _search(attainment_at, lambda a: a >= target - EPS, lo=lo, hi=hi, tol=tol,
+                   max_evals=max_evals, max_hi=max_hi, target=target, policy=policy)
+
+
+def serving_capacity(p99_tbt_at: Callable[[float], float], slo: float, *, lo: float, hi: float,
+                     tol: float = 0.01, max_evals: int = 24, max_hi: float | None = None,
+                     policy: str = "") -> GoodputResult:
+    """DynaServe's serving capacity: the highest rate with P99 TBT <= slo (seconds); same
+    search as goodput_search, curve values are P99 TBT. NaN (no gaps measured) fails."""
+    return _search(p99_tbt_at, lambda v: v <= slo + EPS, lo=lo, hi=hi, tol=tol,
+                   max_evals=max_evals, max_hi=max_hi, target=slo, policy=policy)
+
+
+def ttft_values(states: Iterable[RequestState]) -> np.ndarray:
+    """TTFTs of completed requests that emitted a token (for CDF plots)."""
+    return np.array([s.first_token_time - s.req.arrival for s in states
+                     if s.status is Status.FINISHED and s.first_token_time is not None])

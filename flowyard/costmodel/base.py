@@ -1,0 +1,63 @@
+"""The cost-model seam: how long one step of a `BatchShape` takes on one instance.
+
+Two sources stand behind this one interface: the analytical roofline (`roofline.py`) and,
+later, a profile fitted from `flowyard profile` measurements. The simulator uses it as the
+clock of its instances; policies use the very same object as their predictor (TTFT-hat,
+batch latency), optionally through `with_error` to test robustness.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+
+# Operators of one decoder layer, in execution order (FlowPrefill's preemption points sit
+# between them). Norms and RoPE are folded into the operator that follows them.
+LAYER_OPS: tuple[str, ...] = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
+# Per-step operators outside the layers, and the tensor-parallel collective.
+STEP_OPS: tuple[str, ...] = ("embed", "lm_head", "allreduce", "overhead")
+
+Seconds = float | np.ndarray
+
+
+class CostModel(ABC):
+    """Predicts execution time of a step on one instance (a model on a TP group of GPUs)."""
+
+    num_layers: int
+
+    @abstractmethod
+    def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
+        """Time of each LAYER_OPS operator in ONE layer (norms/RoPE/activation included where
+        they run), plus 'allreduce' for the layer's TP collectives (0 when tp == 1)."""
+
+    @abstractmethod
+    def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
+        """Per-step time outside the layers: 'embed', 'lm_head' (only rows that sample) and
+        'overhead' (scheduling, launch and sampling constants)."""
+
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token occupies on this instance (all layers, K and V, this TP shard)."""
+
+    @abstractmethod
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV that fit in the instance's memory after weights and activations."""
+
+    def op_times(self, shape: BatchShape) -> dict[str, Seconds]:
+        """Whole-step time per operator (layer operators summed over all layers)."""
+        out = {k: v * self.num_layers for k, v in self.layer_op_times(shape).items()}
+        out.update(self.step_overhead(shape))
+        return out
+
+    def step_time(self, shape: BatchShape) -> Seconds:
+        total: Seconds = 0.0
+        for v in self.op_times(shape).values():
+            total = total + v
+        return total
+
+    def prefill_time(self, prompt_len: int, history: int = 0) -> float:
+        """Time of a lone prefill of prompt_len new tokens over `history` cached tokens."""
+        return float(self.step_time(BatchShape.of([(history, prompt_len)], [])))

@@ -1,0 +1,128 @@
+"""Hardware catalog: datasheet peaks plus the roofline's calibrated efficiency factors.
+
+A roofline needs only a few numbers per accelerator: dense bf16 tensor FLOP/s, HBM bandwidth
+and capacity, and the links a tensor-parallel all-reduce or a KV transfer crosses. Peaks come
+from vendor datasheets (cited per entry). How close real kernels get to those peaks is a
+property of the GPU generation, not of the model, so the efficiency factors live here in a
+`RooflineParams` per family, fitted to Vidur's measured operator and NCCL timings by
+`flowyard.costmodel.calibrate` (see `A100_PARAMS`/`H100_PARAMS` for the fit and its error).
+Variants with the same silicon (A800, H800, H200) reuse their family's factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from flowyard.costmodel.catalog import lookup
+
+GB = 1e9
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class RooflineParams:
+    """Efficiency factors and constants of `RooflineCostModel` (fractions of datasheet peak).
+
+    eff_compute   GEMM FLOP/s / peak            eff_mem      weight/activation stream / HBM bw
+    eff_elem      norm/act/add/RoPE / HBM bw    launch_s     fixed time per kernel
+    eff_attn      prefill attention FLOP/s / peak, at long sequence (FlashAttention-2)
+    attn_tile     causal pairs wasted per query token on diagonal tiles (short prompts are slower)
+    eff_attn_mem  decode attention KV stream / HBM bw
+    ar_eff, ar_latency_s   all-reduce bus bandwidth / link bandwidth, and its fixed latency
+    step_overhead_s, seq_overhead_s   per-step and per-sequence CPU time not hidden by the GPU
+    """
+
+    eff_compute: float
+    eff_mem: float
+    eff_elem: float
+    launch_s: float
+    eff_attn: float
+    attn_tile: float
+    eff_attn_mem: float
+    ar_eff: float
+    ar_latency_s: float
+    step_overhead_s: float = 300e-6
+    seq_overhead_s: float = 5e-6
+
+
+# Fitted by `python -m flowyard.costmodel.calibrate` on the Vidur a100 (Meta-Llama-3-8B,
+# Meta-Llama-3-70B, Qwen-72B) and h100 (Llama-2-7b, Llama-2-70b, Qwen-72B) profiles, TP 1-8,
+# 1..4096 tokens; composite ops as defined in calibrate.OP_COLUMNS. Median relative error per
+# op (A100 / H100): qkv 10.2/12.9 %, o_proj 13.4/14.9 %, gate_up 8.5/11.4 %, down 10.0/13.7 %.
+# eff_attn: FlashAttention-2 causal forward, head dim 128, reaches 335 TFLOP/s on H100 SXM5 at
+# 16k (298 at 2k, 191 at 512) [Shah et al., FlashAttention-3, arXiv:2407.08608, Fig. 5];
+# 335/989 = 0.34 with the diagonal-tile term reproducing the drop at short lengths. On A100,
+# FA2 reaches ~70 % of peak [Dao, FlashAttention-2, arXiv:2307.08691]; causal ~ 0.62.
+# eff_attn_mem is not calibrated (no attention profile): assumed below the GEMV streaming
+# efficiency because paged KV reads are gathered block by block.
+A100_PARAMS = RooflineParams(
+    eff_compute=0.0, eff_mem=0.0, eff_elem=0.0, launch_s=0.0, eff_attn=0.62, attn_tile=128.0,
+    eff_attn_mem=0.70, ar_eff=0.0, ar_latency_s=0.0)
+H100_PARAMS = RooflineParams(
+    eff_compute=0.0, eff_mem=0.0, eff_elem=0.0, launch_s=0.0, eff_attn=0.34, attn_tile=128.0,
+    eff_attn_mem=0.70, ar_eff=0.0, ar_latency_s=0.0)
+# 2-core CPU running the engine in float32 (PyTorch): measured on the dev VM (AMD EPYC Zen 4,
+# 2 vCPU): numpy sgemm 2048^3 at 68 GFLOP/s, fp32 GEMV at 7.4 GB/s; ~10 us per torch op.
+CPU_PARAMS = RooflineParams(
+    eff_compute=0.45, eff_mem=0.37, eff_elem=0.25, launch_s=10e-6, eff_attn=0.25,
+    attn_tile=64.0, eff_attn_mem=0.3, ar_eff=0.5, ar_latency_s=50e-6,
+    step_overhead_s=2e-3, seq_overhead_s=20e-6)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (one GPU, or the CPU box) as the roofline sees it.
+
+    nvlink_bw is per GPU and per direction (datasheets quote the bidirectional total: half
+    of it); net_bw is the GPU's share of inter-node network (one 200/400 Gb/s NIC per GPU).
+    dtype_bytes overrides the model's parameter width (the CPU engine runs float32).
+    """
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+    mem_bytes: float
+    nvlink_bw: float
+    net_bw: float
+    params: RooflineParams = field(repr=False, default=H100_PARAMS)
+    gpus_per_node: int = 8
+    nvlink_latency_s: float = 10e-6
+    net_latency_s: float = 30e-6
+    dtype_bytes: int | None = None
+
+    def with_params(self, **changes: float) -> "HardwareSpec":
+        """A copy with some roofline factors replaced (for what-if studies and fitting)."""
+        return replace(self, params=replace(self.params, **changes))
+
+
+HARDWARE: dict[str, HardwareSpec] = {
+    # A100 SXM4 datasheet: 312 TFLOPS bf16 dense, 40 GB HBM2 at 1,555 GB/s or 80 GB HBM2e at
+    # 2,039 GB/s, NVLink 3 600 GB/s (bidirectional). DGX A100: 200 Gb/s HDR IB per GPU.
+    "a100-40g": HardwareSpec("a100-40g", 312e12, 1555 * GB, 40 * GiB, 300 * GB, 25 * GB,
+                             A100_PARAMS),
+    "a100-80g": HardwareSpec("a100-80g", 312e12, 2039 * GB, 80 * GiB, 300 * GB, 25 * GB,
+                             A100_PARAMS),
+    # A800 SXM4 80GB: the export A100; same compute/HBM, NVLink cut to 400 GB/s bidirectional.
+    "a800": HardwareSpec("a800", 312e12, 2039 * GB, 80 * GiB, 200 * GB, 25 * GB, A100_PARAMS),
+    # H100 SXM5 datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity), 80 GB HBM3 at
+    # 3.35 TB/s, NVLink 4 900 GB/s bidirectional. DGX H100: 400 Gb/s NDR IB per GPU.
+    "h100": HardwareSpec("h100", 989e12, 3350 * GB, 80 * GiB, 450 * GB, 50 * GB, H100_PARAMS),
+    # H800 SXM5: export H100; same compute/HBM, NVLink 400 GB/s bidirectional.
+    "h800": HardwareSpec("h800", 989e12, 3350 * GB, 80 * GiB, 200 * GB, 50 * GB, H100_PARAMS),
+    # H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+    "h200": HardwareSpec("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, 50 * GB, H100_PARAMS),
+    # 2-core AVX-512 server CPU (Zen 4 / Sapphire Rapids class): 2 cores x 2 FMA x 16 fp32
+    # lanes x 2 x ~2.4 GHz = 154 GFLOP/s fp32; ~20 GB/s DRAM for two cores; 16 GB of RAM;
+    # "NVLink" is a shared-memory copy, "network" 10 Gb/s Ethernet.
+    "cpu": HardwareSpec("cpu", 154e9, 20 * GB, 16 * GiB, 5 * GB, 1.25 * GB, CPU_PARAMS,
+                        gpus_per_node=1, nvlink_latency_s=20e-6, net_latency_s=100e-6,
+                        dtype_bytes=4),
+}
+HARDWARE_NAMES: tuple[str, ...] = tuple(HARDWARE)
+
+
+def get_hardware(name: str | HardwareSpec) -> HardwareSpec:
+    """A catalog accelerator by (case-insensitive) name."""
+    if isinstance(name, HardwareSpec):
+        return name
+    return lookup("hardware", str(name), HARDWARE)

@@ -1,0 +1,146 @@
+"""The two policy contracts every executor drives: a local scheduler per instance and one
+global scheduler per cluster.
+
+Policies are plain objects. They read `RequestState`s, the instance's `KVCacheManager` and
+`InstanceSnapshot`s, and return decisions (a `StepPlan`, an instance id). They never read a
+clock of their own: `now` is passed in, so the same object runs under the simulator's virtual
+clock and the runtime's wall clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.request import Request, RequestState
+
+
+class Role(enum.Enum):
+    """What an instance is for. MIXED runs prefill and decode (colocated serving)."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class InstanceSnapshot:
+    """Plain-data view of one instance that global policies read.
+
+    Built from the scheduler's committed state: during a multi-step decode run it is as old as
+    the start of that run (the runtime's snapshots are likewise a step old).
+    """
+
+    instance: int
+    role: Role
+    num_running: int
+    num_waiting: int
+    waiting_tokens: int  # uncomputed prompt tokens queued (including partial prefills)
+    running_tokens: int  # sum of sequence lengths of running requests (KV held or growing)
+    kv_free_blocks: int
+    kv_total_blocks: int
+    block_size: int
+    num_migrating_in: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting + self.num_migrating_in
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What `update_from_output` tells the executor after applying a step.
+
+    finished: requests done (EOS, stop, length); their KV is already freed.
+    handoffs: requests whose prefill finished on a PREFILL instance; they keep their KV here
+      until the executor calls `release` after the transfer to a decode instance.
+    """
+
+    finished: list[RequestState] = field(default_factory=list)
+    handoffs: list[RequestState] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)
+
+
+class LocalScheduler(ABC):
+    """Per-instance policy: owns the instance's queues and KV accounting (vLLM v1's Scheduler)."""
+
+    kv: KVCacheManager
+    role: Role
+    instance: int
+
+    @abstractmethod
+    def add_request(self, state: RequestState, now: float) -> bool:
+        """Queue a new request; False (state rejected, reason set) if it can never run here."""
+
+    @abstractmethod
+    def schedule(self, now: float) -> StepPlan | None:
+        """The next step to run, or None when there is nothing runnable."""
+
+    @abstractmethod
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        """Apply the executed steps (out.steps <= plan.max_repeats) to request progress."""
+
+    def advance(self, plan: StepPlan, out: StepOutput) -> None:
+        """Apply the first out.steps steps of a repeated decode plan that keeps running."""
+        raise NotImplementedError
+
+    def shorten(self, plan: StepPlan, steps: int) -> None:
+        """The executor will run only `steps` (< plan.max_repeats) of `plan`; release whatever
+        was reserved for the rest. Default: nothing was reserved."""
+
+    @abstractmethod
+    def add_migration(self, state: RequestState, now: float) -> None:
+        """A request whose KV lives on another instance wants to continue here."""
+
+    @abstractmethod
+    def admit_migrations(self, now: float) -> list[RequestState]:
+        """Migrations for which KV space is now reserved: the executor starts their transfer."""
+
+    @abstractmethod
+    def migration_arrived(self, state: RequestState, now: float) -> None:
+        """The KV of an admitted migration is here; the request joins the running batch."""
+
+    @abstractmethod
+    def release(self, req_id: int) -> None:
+        """Free a handed-off request's KV once its transfer is complete."""
+
+    @abstractmethod
+    def abort(self, req_id: int) -> RequestState | None:
+        """Drop a request wherever it is, freeing its KV."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True while anything is queued, running, or holds KV here."""
+
+    @abstractmethod
+    def snapshot(self) -> InstanceSnapshot: ...
+
+
+class ClusterView(Protocol):
+    """What a global scheduler may read about the cluster."""
+
+    def instances(self, role: Role | None = None) -> Sequence[int]: ...
+
+    def snapshot(self, instance: int) -> InstanceSnapshot: ...
+
+
+class GlobalScheduler(ABC):
+    """Cluster policy: where each request starts and where it continues after prefill."""
+
+    name: str = "global"
+
+    @abstractmethod
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        """Instance that receives a new request; None rejects it."""
+
+    def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
+        """Instance that decodes a request whose prefill finished on PREFILL instance `src`."""
+        raise NotImplementedError(f"{self.name} has no decode routing (no PREFILL instances)")

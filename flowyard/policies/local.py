@@ -1,0 +1,329 @@
+"""Continuous batching with (optionally chunked) prefill: the local scheduler of the baselines.
+
+One class covers vLLM's colocated scheduler, DistServe's prefill and decode instances and the
+chunked-prefill + EDF variants, because they differ only in role, token budget, chunking and
+queue order. It follows vLLM v1's scheduler: running requests first (decodes, then partial
+prefills), then waiting requests while the token budget, `max_num_seqs` and KV allow; when a
+running request cannot get a KV block, the most recently admitted running request is preempted
+and later recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from flowyard.core.kvcache import KVCacheManager, cdiv
+from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
+from flowyard.core.request import RequestState, Status
+from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """Knobs of `BatchScheduler`, named as in vLLM where vLLM has them."""
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (the chunk size)
+    max_num_seqs: int = 256
+    chunked_prefill: bool = True  # False: a prompt runs whole (alone if over the budget)
+    order: str = "fcfs"  # "fcfs" or "edf" (earliest TTFT deadline first)
+    max_model_len: int | None = None  # sequences stop ("length") when they reach it
+    max_repeats: int = 512  # longest decode-only run promised in one plan
+
+    def __post_init__(self) -> None:
+        if self.order not in ("fcfs", "edf"):
+            raise ValueError(f"order must be 'fcfs' or 'edf', got {self.order!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_repeats < 1:
+            raise ValueError("token budget, max_num_seqs and max_repeats must be positive")
+
+
+class BatchScheduler(LocalScheduler):
+    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: BatchConfig) -> None:
+        self.instance = instance
+        self.role = role
+        self.kv = kv
+        self.config = config
+        limit = kv.capacity_tokens
+        self.max_model_len = min(limit, config.max_model_len or limit)
+        self._waiting: list[tuple[tuple[float, ...], int, RequestState]] = []
+        self._waiting_tokens = 0
+        self._seq = itertools.count()
+        self.running: list[RequestState] = []
+        self._migrations: list[RequestState] = []  # want to come here, no KV reserved yet
+        self._incoming: dict[int, RequestState] = {}  # KV reserved, transfer in flight
+        self._handed_off: dict[int, RequestState] = {}  # prefill done, KV held until release
+        self.last_preempted: list[RequestState] = []
+        self._run: StepPlan | None = None  # decode run in flight with KV reserved ahead
+
+    # -- queue -----------------------------------------------------------------------------
+    def _key(self, st: RequestState) -> tuple[float, ...]:
+        req = st.req
+        if self.config.order == "edf":
+            deadline = req.arrival + req.slo.ttft if req.slo.ttft is not None else INF
+            return (deadline, req.arrival)
+        return (req.arrival,)
+
+    def _push_waiting(self, st: RequestState) -> None:
+        heapq.heappush(self._waiting, (self._key(st), next(self._seq), st))
+        self._waiting_tokens += st.uncomputed
+
+    def _pop_waiting(self) -> RequestState:
+        st = heapq.heappop(self._waiting)[2]
+        self._waiting_tokens -= st.uncomputed
+        return st
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add_request(self, state: RequestState, now: float) -> bool:
+        need = state.req.prompt_len + 1
+        if need > self.max_model_len:
+            state.status = Status.REJECTED
+            state.reject_reason = (
+                f"prompt of {state.req.prompt_len} tokens does not fit this instance "
+                f"(max_model_len {self.max_model_len})"
+            )
+            return False
+        state.instance = self.instance
+        state.status = Status.WAITING
+        self._push_waiting(state)
+        return True
+
+    # -- scheduling ------------------------------------------------------------------------
+    def _preempt(self, victim: RequestState, plan: StepPlan) -> None:
+        """Recompute preemption: drop the KV and requeue; outputs so far are kept. A victim
+        already placed in this step's plan is taken out of it again."""
+        self.running.remove(victim)
+        self.kv.free(victim.id)
+        if victim in plan.decodes:
+            plan.decodes.remove(victim)
+        plan.prefills = [s for s in plan.prefills if s.state is not victim]
+        victim.num_computed = 0
+        victim.status = Status.PREEMPTED
+        victim.preemptions += 1
+        self._push_waiting(victim)
+        self.last_preempted.append(victim)
+
+    def _grow(self, st: RequestState, total: int, plan: StepPlan) -> bool:
+        """Allocate KV for st up to total tokens, preempting from the back of running."""
+        while not self.kv.allocate(st.id, total):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is st:
+                return False
+        return True
+
+    def schedule(self, now: float) -> StepPlan | None:
+        cfg = self.config
+        plan = StepPlan()
+        self.last_preempted = []
+        # 1. running requests in admission order: decodes, then partial prefills
+        for st in [r for r in self.running if not r.in_prefill]:
+            if st.status is Status.RUNNING and len(plan.decodes) < cfg.max_num_batched_tokens:
+                if self._grow(st, st.num_computed + 1, plan):
+                    plan.decodes.append(st)
+        for st in [r for r in self.running if r.in_prefill]:
+            budget = cfg.max_num_batched_tokens - plan.num_tokens
+            if st.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = self._chunk(st.uncomputed, budget, plan)
+            if n and self._grow(st, st.num_computed + n, plan):
+                plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+        # 2. waiting requests in queue order, head-of-line blocking
+        budget = cfg.max_num_batched_tokens - plan.num_tokens
+        while self._waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            st = self._waiting[0][2]
+            n = self._chunk(st.uncomputed, budget, plan)
+            if not n or not self.kv.allocate(st.id, st.num_computed + n):
+                break
+            self._pop_waiting()
+            st.status = Status.RUNNING
+            self.running.append(st)
+            plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+            budget -= n
+        if plan.empty:
+            return None
+        if not plan.prefills and not self._migration_fits():
+            plan.max_repeats = self._reserve_run(plan)
+            self._run = plan if plan.max_repeats > 1 else None
+        return plan
+
+    def _chunk(self, want: int, budget: int, plan: StepPlan) -> int:
+        if self.config.chunked_prefill:
+            return min(want, budget)
+        if want <= budget or plan.empty:
+            return want  # an over-budget prompt runs whole, alone
+        return 0
+
+    def _migration_fits(self) -> bool:
+        """Whether a pending migration could be admitted at the end of the next step; if so the
+        scheduler must get control back then, so no multi-step run is promised."""
+        if not self._migrations:
+            return False
+        head = self._migrations[0]
+        if len(self.running) + len(self._incoming) >= self.config.max_num_seqs:
+            return False
+        return self.kv.blocks_needed(head.id, head.num_computed + 1) <= self.kv.num_free_blocks
+
+    def _reserve_run(self, plan: StepPlan) -> int:
+        """Longest decode-only run (<= max_repeats) whose KV fits now; reserves it."""
+        bs = self.kv.block_size
+        cap = self.config.max_repeats
+        for d in plan.decodes:
+            cap = min(cap, self.max_model_len - d.seq_len)
+            if d.req.max_tokens is not None:
+                cap = min(cap, d.req.max_tokens - d.num_output)
+        cap = max(cap, 1)
+        free = self.kv.num_free_blocks
+        ctx = [(d.num_computed, self.kv.num_held(d.id)) for d in plan.decodes]
+
+        def need(k: int) -> int:
+            return sum(max(0, cdiv(c + k, bs) - h) for c, h in ctx)
+
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if need(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo > 1:
+            for d in plan.decodes:
+                self.kv.allocate(d.id, d.num_computed + lo)
+        return lo
+
+    def shorten(self, plan: StepPlan, steps: int) -> None:
+        """The executor will run only `steps` of a decode run: free the KV reserved beyond."""
+        for d in plan.decodes:
+            self.kv.trim(d.id, d.num_computed + steps)
+        plan.max_repeats = steps
+
+    # -- applying results ------------------------------------------------------------------
+    def advance(self, plan: StepPlan, out: StepOutput) -> None:
+        """Apply the first out.steps steps of a decode run that goes on (the run was cut into
+        pieces so a snapshot reflects the steps already done)."""
+        for d in plan.decodes:
+            d.num_computed += out.steps
+            d.record_tokens(out.end_times)
+        plan.max_repeats -= out.steps
+
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        self._run = None
+        steps = out.steps
+        times = out.end_times
+        result = StepResult(preempted=self.last_preempted)
+        sampled = out.sampled
+        touched: list[RequestState] = []
+        for d in plan.decodes:
+            d.num_computed += steps
+            d.record_tokens(times)
+            if sampled is not None:
+                d.output_tokens.extend(sampled.get(d.id, ()))
+            if steps < plan.max_repeats:
+                self.kv.trim(d.id, d.num_computed)
+            touched.append(d)
+        for s in plan.prefills:
+            st = s.state
+            st.num_computed += s.n
+            if s.samples:
+                st.record_tokens(times[:1])
+                if sampled is not None:
+                    st.output_tokens.extend(sampled.get(st.id, ()))
+                touched.append(st)
+        removed = False
+        for st in touched:
+            if st.done or st.id in out.stopped or st.seq_len >= self.max_model_len:
+                self._finish(st)
+                result.finished.append(st)
+                removed = True
+            elif self.role is Role.PREFILL:
+                st.status = Status.MIGRATING
+                self._handed_off[st.id] = st
+                result.handoffs.append(st)
+                removed = True
+        if removed:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return result
+
+    def _finish(self, st: RequestState) -> None:
+        st.status = Status.FINISHED
+        st.finish_time = float(st.token_times[-1][-1]) if st.token_times else None
+        self.kv.free(st.id)
+
+    # -- migration -------------------------------------------------------------------------
+    def add_migration(self, state: RequestState, now: float) -> None:
+        state.status = Status.MIGRATING
+        self._migrations.append(state)
+
+    def admit_migrations(self, now: float) -> list[RequestState]:
+        admitted = []
+        while self._migrations and len(self.running) + len(self._incoming) < self.config.max_num_seqs:
+            st = self._migrations[0]
+            if not self.kv.allocate(st.id, st.num_computed + 1):
+                break
+            self._migrations.pop(0)
+            self._incoming[st.id] = st
+            admitted.append(st)
+        return admitted
+
+    def migration_arrived(self, state: RequestState, now: float) -> None:
+        del self._incoming[state.id]
+        state.instance = self.instance
+        state.status = Status.RUNNING
+        self.running.append(state)
+
+    def release(self, req_id: int) -> None:
+        del self._handed_off[req_id]
+        self.kv.free(req_id)
+
+    def abort(self, req_id: int) -> RequestState | None:
+        for st in list(self.running) + [w[2] for w in self._waiting] + self._migrations:
+            if st.id == req_id:
+                break
+        else:
+            st = self._incoming.pop(req_id, None) or self._handed_off.pop(req_id, None)
+            if st is None:
+                return None
+        if st in self.running:
+            self.running.remove(st)
+        if st in self._migrations:
+            self._migrations.remove(st)
+        entries = [w for w in self._waiting if w[2] is not st]
+        if len(entries) != len(self._waiting):
+            self._waiting_tokens -= st.uncomputed
+            self._waiting = entries
+            heapq.heapify(self._waiting)
+        self.kv.free(req_id)
+        st.status = Status.ABORTED
+        return st
+
+    # -- views -----------------------------------------------------------------------------
+    def _reserved_ahead(self) -> int:
+        """Blocks a decode run holds for steps after the one in flight: free as far as a
+        step-by-step scheduler is concerned, so snapshots count them as free."""
+        if self._run is None:
+            return 0
+        bs = self.kv.block_size
+        return sum(self.kv.num_held(d.id) - cdiv(d.num_computed + 1, bs) for d in self._run.decodes)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting or self._migrations or self._incoming or self._handed_off)
+
+    def snapshot(self) -> InstanceSnapshot:
+        return InstanceSnapshot(
+            instance=self.instance,
+            role=self.role,
+            num_running=len(self.running),
+            num_waiting=len(self._waiting),
+            waiting_tokens=self._waiting_tokens
+            + sum(r.uncomputed for r in self.running if r.in_prefill),
+            running_tokens=sum(r.seq_len for r in self.running),
+            kv_free_blocks=self.kv.num_free_blocks + self._reserved_ahead(),
+            kv_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+            num_migrating_in=len(self._migrations) + len(self._incoming),
+        )

@@ -1,0 +1,278 @@
+"""Discrete-event cluster simulator: the virtual-clock executor of the shared policies.
+
+Events live in one heap ordered by (time, sequence number), so equal-time events keep their
+insertion order and a run is deterministic. Events: a request arrives; an instance finishes
+the step(s) it was running; a KV transfer lands. Instances take their step times from the
+cost model.
+
+Speed comes from one exact shortcut. When a local scheduler promises a decode-only run
+(`StepPlan.max_repeats`), the simulator prices all of its steps in one vectorised cost-model
+call and sleeps until the first request finishes. Any event that reaches the instance before
+then cuts the run at the end of the step in flight, which is exactly when a step-by-step
+executor would have let the scheduler see that event. Results therefore equal those of
+stepping one token at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.request import Request, RequestState, Status
+from flowyard.costmodel.base import CostModel
+from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role
+from flowyard.policies.registry import Policy
+from flowyard.sim.cluster import Topology
+
+ARRIVAL, STEP, KV_DONE = 0, 1, 2
+
+
+class SimulationError(RuntimeError):
+    """A run ended with a request neither finished nor rejected, or with KV still held."""
+
+
+class SimInstance:
+    """One simulated serving instance: a local scheduler plus the step it is running."""
+
+    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s")
+
+    def __init__(self, iid: int, sched: LocalScheduler) -> None:
+        self.id = iid
+        self.sched = sched
+        self.plan: StepPlan | None = None
+        self.ends: np.ndarray = np.empty(0)
+        self.version = 0
+        self.busy_s = 0.0
+
+
+@dataclass
+class SimResult:
+    states: list[RequestState]
+    sim_time: float
+    wall_s: float
+    events: int
+    steps: int
+    instance_busy_s: list[float] = field(default_factory=list)
+
+    @property
+    def completed(self) -> list[RequestState]:
+        return [s for s in self.states if s.status is Status.FINISHED]
+
+    @property
+    def rejected(self) -> list[RequestState]:
+        return [s for s in self.states if s.status is Status.REJECTED]
+
+
+class Simulator:
+    """Replays requests through a `Policy` on `num_instances` simulated instances."""
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        policy: Policy,
+        cost_model: CostModel,
+        topology: Topology,
+        *,
+        block_size: int = 16,
+        progress: Callable[[int, int], None] | None = None,
+        on_step: Callable[[int, StepPlan, int], None] | None = None,
+    ) -> None:
+        self.requests = list(requests)
+        self.policy = policy
+        self.cost = cost_model
+        self.topology = topology
+        self.progress = progress
+        self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
+        num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
+        self.instances = [
+            SimInstance(i, policy.make_local(i, KVCacheManager(num_blocks, block_size)))
+            for i in range(len(policy.roles))
+        ]
+        self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
+        for inst in self.instances:
+            self._by_role.setdefault(inst.sched.role, []).append(inst.id)
+        self._kv_bytes = cost_model.kv_bytes_per_token()
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.steps = 0
+        self._done = 0
+
+    # -- ClusterView ---------------------------------------------------------------------
+    def instances_of(self, role: Role | None = None) -> list[int]:
+        return self._by_role.get(role, [])
+
+    def snapshot(self, instance: int) -> InstanceSnapshot:
+        inst = self.instances[instance]
+        self._sync(inst)
+        return inst.sched.snapshot()
+
+    def _sync(self, inst: SimInstance) -> None:
+        """Commit the steps of a decode run that ended before now, so the instance's state is
+        what a step-by-step executor would show at this moment."""
+        ends = inst.ends
+        if inst.plan is None or len(ends) < 2 or ends[0] >= self.now:
+            return
+        done = int(np.searchsorted(ends, self.now, side="left"))
+        if 0 < done < len(ends):
+            inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
+            inst.ends = ends[done:]
+            self.steps += done
+
+    # -- event plumbing ------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        start = time.perf_counter()
+        states = [RequestState(r) for r in self.requests]
+        for st in states:
+            self._push(st.req.arrival, ARRIVAL, st)
+        events = 0
+        heap = self._heap
+        while heap:
+            t, _, kind, payload = heapq.heappop(heap)
+            self.now = t
+            events += 1
+            if kind == STEP:
+                inst, version = payload  # type: ignore[misc]
+                if version == inst.version:
+                    self._complete(inst, len(inst.ends))
+            elif kind == ARRIVAL:
+                self._arrive(payload)  # type: ignore[arg-type]
+            else:
+                self._kv_landed(*payload)  # type: ignore[misc]
+            if self.progress is not None and events % 4096 == 0:
+                self.progress(self._done, len(states))
+        if self.progress is not None:
+            self.progress(self._done, len(states))
+        self._check_conservation(states)
+        return SimResult(
+            states=states, sim_time=self.now, wall_s=time.perf_counter() - start,
+            events=events, steps=self.steps, instance_busy_s=[i.busy_s for i in self.instances],
+        )
+
+    # -- handlers ------------------------------------------------------------------------
+    def _arrive(self, st: RequestState) -> None:
+        dst = self.policy.global_scheduler.route(st.req, _View(self), self.now)
+        if dst is None:
+            self._reject(st, "rejected by the global scheduler")
+            return
+        inst = self.instances[dst]
+        if not inst.sched.add_request(st, self.now):
+            self._done += 1
+            return
+        self._kick(inst)
+
+    def _reject(self, st: RequestState, reason: str) -> None:
+        st.status = Status.REJECTED
+        st.reject_reason = reason
+        self._done += 1
+
+    def _complete(self, inst: SimInstance, steps: int) -> None:
+        plan = inst.plan
+        assert plan is not None
+        ends = inst.ends[:steps]
+        inst.plan = None
+        self.steps += steps
+        if self.on_step is not None:
+            self.on_step(inst.id, plan, steps)
+        result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
+        self._done += len(result.finished)
+        for st in result.handoffs:
+            dst = self.policy.global_scheduler.route_decode(st, inst.id, _View(self), self.now)
+            st.prefill_instance = inst.id
+            target = self.instances[dst]
+            target.sched.add_migration(st, self.now)
+            self._interrupt(target)
+            self._start_transfers(target)
+        self._start_transfers(inst)
+        self._kick(inst)
+
+    def _start_transfers(self, dst: SimInstance) -> None:
+        for st in dst.sched.admit_migrations(self.now):
+            src = st.instance
+            assert src is not None
+            nbytes = st.num_computed * self._kv_bytes
+            t = self.now + self.topology.link(src, dst.id).transfer_time(nbytes)
+            self._push(t, KV_DONE, (st, src, dst.id))
+
+    def _kv_landed(self, st: RequestState, src: int, dst: int) -> None:
+        source = self.instances[src]
+        source.sched.release(st.id)
+        self._kick(source)
+        target = self.instances[dst]
+        target.sched.migration_arrived(st, self.now)
+        self._kick(target)
+
+    def _interrupt(self, inst: SimInstance) -> bool:
+        """An event reached `inst`: if it is in a multi-step run, end that run with the step in
+        flight and hand the unused KV reservation back. Returns whether inst is busy."""
+        if inst.plan is None:
+            return False
+        ends = inst.ends
+        if len(ends) > 1 and ends[-1] > self.now:
+            cut = int(np.searchsorted(ends, self.now, side="left")) + 1
+            if cut < len(ends):
+                inst.busy_s -= float(ends[-1] - ends[cut - 1])
+                inst.ends = ends[:cut]
+                inst.version += 1
+                inst.sched.shorten(inst.plan, cut)
+                self._push(float(inst.ends[-1]), STEP, (inst, inst.version))
+        return True
+
+    def _kick(self, inst: SimInstance) -> None:
+        """Something reached `inst`: start a step if idle, or cut a multi-step run short."""
+        if self._interrupt(inst):
+            return
+        plan = inst.sched.schedule(self.now)
+        if plan is None:
+            return
+        k = plan.max_repeats
+        if k > 1:  # the simulator knows when each request stops: end the run at the first
+            k = min(k, min(d.remaining_output for d in plan.decodes))
+            if k < plan.max_repeats:
+                inst.sched.shorten(plan, k)
+        durations = self.cost.step_time(plan.shape(k))
+        if k > 1:  # same additions, in the same order, as stepping one at a time
+            ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
+        else:
+            ends = np.array([self.now + float(durations)])
+        inst.plan = plan
+        inst.ends = ends
+        inst.version += 1
+        inst.busy_s += float(ends[-1] - self.now)
+        self._push(float(ends[-1]), STEP, (inst, inst.version))
+
+    def _check_conservation(self, states: list[RequestState]) -> None:
+        stuck = [s.id for s in states if s.status not in (Status.FINISHED, Status.REJECTED)]
+        if stuck:
+            raise SimulationError(
+                f"{len(stuck)} request(s) neither finished nor rejected, e.g. ids {stuck[:5]}"
+            )
+        for inst in self.instances:
+            leaked = inst.sched.kv.leaked()
+            if leaked or inst.sched.has_work():
+                raise SimulationError(f"instance {inst.id} still holds KV or work: {leaked}")
+
+
+class _View:
+    """ClusterView over the simulator (kept tiny: policies call it on every arrival)."""
+
+    __slots__ = ("_sim",)
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
+
+    def instances(self, role: Role | None = None) -> list[int]:
+        return self._sim.instances_of(role)
+
+    def snapshot(self, instance: int) -> InstanceSnapshot:
+        return self._sim.snapshot(instance)
