@@ -224,8 +224,9 @@ BROKEN = {
     "empty": ("", 1, "empty file"),
     "blank": ("\n  \n", 1, "empty file"),
     "header-only": ("arrived_at,num_prefill_tokens,num_decode_tokens\n", 2, "no requests"),
-    "all-failed": (B1.split("\n")[0] + "\n5,ChatGPT,0,0,0,API log\n", 3, "all 1 rows dropped"),
+    "all-failed": (B1.split("\n")[0] + "\n5,ChatGPT,0,0,0,API log\n", 2, "all 1 rows dropped"),
     "unknown-header": ("time,prompt,output\n1,2,3\n", 1, "unknown trace format"),
+    "forced-wrong-format": (B3, 1, "missing column 'contexttokens' for azure format"),
 }
 
 
@@ -234,8 +235,9 @@ def test_broken_files_name_file_line_and_reason(case: str, tmp_path: Path) -> No
     text, line, reason = BROKEN[case]
     p = tmp_path / f"{case}.txt"
     p.write_text(text)
+    fmt = "azure" if case == "forced-wrong-format" else None
     with pytest.raises(WorkloadError) as e:
-        load_file(p)
+        load_file(p, fmt=fmt)
     msg = str(e.value)
     assert str(p) in msg and f"line {line}:" in msg and reason in msg, msg
     assert e.value.line == line and isinstance(e.value, ValueError)
@@ -245,7 +247,7 @@ def test_broken_files_name_file_line_and_reason(case: str, tmp_path: Path) -> No
     gz = tmp_path / f"{case}.gz"  # the same error through gzip
     gz.write_bytes(gzip.compress(text.encode()))
     with pytest.raises(WorkloadError, match=f"line {line}:"):
-        load_file(gz)
+        load_file(gz, fmt=fmt)
 
 
 def test_failures_dropped_not_fatal(tmp_path: Path) -> None:

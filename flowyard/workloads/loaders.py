@@ -18,9 +18,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from flowyard.workloads.arrivals import DEFAULT_RATE, make_arrivals
 from flowyard.workloads.fields import parse_length, parse_seconds, parse_wallclock, read_text
@@ -230,10 +231,14 @@ def load_file(
     fmt = fmt or _detect(src, text)
     cols = _parse_mooncake(src, text) if fmt == "mooncake" else _parse_csv(src, text, fmt)
     if not cols.prompt:
-        why = f"all {cols.dropped} rows dropped (zero tokens)" if cols.dropped else "no requests"
-        raise WorkloadError(src, text.count("\n") + 1, f"{why} in {fmt} file")
+        last = len(text.rstrip().splitlines())  # last non-blank line
+        if cols.dropped:
+            raise WorkloadError(src, last, f"all {cols.dropped} rows dropped (zero tokens) in {fmt} file")
+        raise WorkloadError(src, last + 1, f"no requests in {fmt} file (only a header)")
     if num_requests is not None and num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"rate must be a positive number of req/s, got {rate!r}")
     if fmt == "lengths":
         n = len(cols.prompt) if num_requests is None else min(num_requests, len(cols.prompt))
         arrivals = make_arrivals(arrival, n, DEFAULT_RATE if rate is None else rate, seed, cv)
@@ -247,16 +252,16 @@ def load_file(
     if fmt != "lengths":
         reqs = reqs[:num_requests] if num_requests is not None else reqs
         if rate is not None and len(reqs) > 1 and reqs[-1].arrival > 0:
-            if not rate > 0:
-                raise ValueError(f"rate must be positive, got {rate!r}")
             k = (len(reqs) - 1) / reqs[-1].arrival / rate
             reqs = [replace(r, arrival=r.arrival * k) for r in reqs]
     stem = Path(src).name.removesuffix(".gz").rsplit(".", 1)[0]
     return Workload(name or stem, reqs, src, cols.dropped, fmt)
 
 
-def _loader(fmt: str):  # noqa: ANN202 - tiny factory for the per-format wrappers
-    def load(path: str | Path, **kw) -> Workload:  # noqa: ANN003
+def _loader(fmt: str) -> Callable[..., Workload]:
+    """Per-format entry points: skip detection, so a wrong file fails on its header."""
+
+    def load(path: str | Path, **kw: Any) -> Workload:
         return load_file(path, fmt=fmt, **kw)
 
     load.__name__ = f"load_{fmt}"

@@ -1,0 +1,198 @@
+"""`flowyard` command line: stable subcommand and flag names from DESIGN.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad name or flag value: printed as one line, exit code 2."""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload and cluster")
+    g.add_argument("--trace", default="azure-conv", help="bundled trace name or a trace file path")
+    g.add_argument("--model", default="llama-3-8b", help="catalog model name or a config.json path")
+    g.add_argument("--hardware", default="h100", help="GPU type (a100-40g, h100, ...)")
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree per instance")
+    g.add_argument("--instances", type=_positive_int, default=1, help="number of instances")
+    g.add_argument("--prefill-instances", type=_positive_int, default=None,
+                   help="prefill instances of static PD splits (default: half)")
+    g.add_argument("--rate-scale", type=_positive_float, default=1.0,
+                   help="multiply the request rate (timestamps x 1/scale)")
+    g.add_argument("--duration", type=_positive_float, default=None,
+                   help="replay only the first DURATION seconds of the trace")
+    g.add_argument("--num-requests", type=_positive_int, default=None,
+                   help="replay at most N requests (length-only traces: generate N)")
+    g.add_argument("--rate", type=_positive_float, default=None,
+                   help="arrival rate (req/s) for length-only traces (sharegpt, arxiv)")
+    g.add_argument("--ttft-slo", type=_positive_float, default=None, help="TTFT SLO in seconds")
+    g.add_argument("--tpot-slo", type=_positive_float, default=None, help="TPOT SLO in seconds")
+    g.add_argument("--ttft-slo-by-length", default=None, metavar="L1:S1,L2:S2",
+                   help="TTFT SLO S_i for prompts of at least L_i tokens")
+    g.add_argument("--chunk-size", type=_positive_int, default=None,
+                   help="override the policy's prefill chunk / token budget")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace, policy: str):
+    from flowyard.sim.run import SimConfig
+
+    return SimConfig(
+        trace=args.trace, model=args.model, hardware=args.hardware, tp=args.tp,
+        instances=args.instances, prefill_instances=args.prefill_instances, policy=policy,
+        rate_scale=args.rate_scale, duration=args.duration, num_requests=args.num_requests,
+        rate=args.rate, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo,
+        ttft_slo_by_length=args.ttft_slo_by_length, seed=args.seed,
+        chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
+    """Fail fast, before loading anything heavy, on names that are not in a catalog."""
+    from flowyard.costmodel import get_hardware, get_model
+    from flowyard.policies.registry import build_policy, PolicyOptions
+
+    get_model(args.model)
+    get_hardware(args.hardware)
+    for p in policies:
+        build_policy(p, PolicyOptions(num_instances=args.instances, num_prefill=args.prefill_instances))
+
+
+@contextmanager
+def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from flowyard.bench.report import format_table, write_json
+    from flowyard.sim.run import load_workload, simulate
+
+    _validate_names(args, [args.policy])
+    cfg = _config(args, args.policy)
+    workload = load_workload(cfg)
+    with _progress(not args.quiet, f"simulating {cfg.policy}") as progress:
+        summary, result = simulate(cfg, workload, progress=progress)
+    print(format_table(summary))
+    print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
+          f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}")
+    if args.json:
+        write_json(summary, args.json, extra={"config": vars(cfg), "events": result.events,
+                                              "sim_time_s": result.sim_time})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from flowyard.bench.report import format_goodput_table, write_goodput_json
+    from flowyard.core.metrics import goodput_search
+    from flowyard.sim.run import build_cost_model, load_workload, simulate
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise UsageError("--policies needs at least one policy name")
+    _validate_names(args, policies)
+    base = _config(args, policies[0])
+    workload = load_workload(base)
+    cost = build_cost_model(base)
+    results = []
+    for name in policies:
+        cfg = base.replace(policy=name)
+
+        def attainment(scale: float, cfg=cfg) -> float:
+            summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
+            if not args.quiet:
+                print(f"  {cfg.policy:>16}  rate x{scale:7.3f}  attainment {summary.slo_attainment:6.1%}",
+                      file=sys.stderr)
+            return summary.slo_attainment
+
+        res = goodput_search(attainment, lo=args.scale_lo, hi=args.scale_hi, target=args.target,
+                             tol=args.tol, policy=name)
+        results.append(res)
+    print(format_goodput_table(results))
+    mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
+    print(f"goodput is in units of the trace's rate scale; x1 = {mean_rate:.3f} req/s on average")
+    if args.json:
+        write_goodput_json(results, args.json, extra={"config": vars(base), "base_rate_rps": mean_rate})
+        print(f"wrote {args.json}")
+    if args.plot:
+        from flowyard.bench.plot import plot_goodput
+
+        plot_goodput(results, args.plot, target=args.target, title=f"{base.trace}: SLO attainment vs rate scale")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowyard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("simulate", help="replay a trace in the cluster simulator")
+    _add_workload_flags(p)
+    p.add_argument("--policy", default="vllm", help="scheduling policy")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=cmd_simulate)
+    g = sub.add_parser("goodput", help="search the goodput of several policies on one workload")
+    _add_workload_flags(g)
+    g.add_argument("--policies", default="vllm,distserve", help="comma-separated policy names")
+    g.add_argument("--target", type=_positive_float, default=0.9, help="attainment target")
+    g.add_argument("--scale-lo", type=_positive_float, default=0.25, help="lowest rate scale tried")
+    g.add_argument("--scale-hi", type=_positive_float, default=4.0, help="first upper rate scale")
+    g.add_argument("--tol", type=_positive_float, default=0.05, help="relative search tolerance")
+    g.add_argument("--json", default=None, metavar="PATH")
+    g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
+    g.set_defaults(func=cmd_goodput)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, ValueError) as e:  # catalog, trace and config errors are ValueErrors
+        print(f"flowyard: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"flowyard: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Fit the roofline's efficiency factors to Vidur's measured GPU operator and NCCL timings.
+
+Reproduce the constants in `hardware.py` with `python -m flowyard.costmodel.calibrate`.
+
+Vidur times each operator of one layer separately (fp16, CUDA events, ms). Our operators fold
+norms, activation and residual adds into their neighbouring GEMM, so each is compared with
+the matching sum of Vidur columns (`OP_COLUMNS`). The fit minimises the mean |log(pred/meas)|
+over token counts 1..4096 and TP 1, 2, 4, 8 of every profile of one GPU family (a numpy
+Nelder-Mead over log-parameters), so small and large batches weigh alike. All-reduce latency
+and bus efficiency are fitted the same way on intra-node NCCL rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.hardware import HARDWARE, HardwareSpec
+from flowyard.costmodel.models import ModelSpec
+from flowyard.costmodel.roofline import RooflineCostModel
+
+SHARED_DIR = Path(__file__).resolve().parents[3] / "shared" / "profiles" / "vidur"
+VENDORED_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
+OP_COLUMNS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("input_layernorm", "attn_pre_proj"),
+    "o_proj": ("attn_post_proj", "add"),
+    "gate_up_proj": ("post_attention_layernorm", "mlp_up_proj"),
+    "down_proj": ("mlp_act", "mlp_down_proj", "add"),
+}
+FAMILY_HW = {"a100": "a100-80g", "h100": "h100"}  # Vidur's a100 is the 80 GB SXM part
+FIT_KEYS = ("eff_compute", "eff_mem", "eff_elem", "launch_s")
+
+
+def profile_dir() -> Path:
+    """The shared Vidur profiles when present (all six models), else the vendored subset."""
+    return SHARED_DIR if SHARED_DIR.is_dir() else VENDORED_DIR
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return list(csv.DictReader(io.StringIO(raw.decode())))
+
+
+def _files(pattern: str, directory: Path | None = None) -> list[Path]:
+    d = directory or profile_dir()
+    return sorted(d.glob(pattern + ".csv")) + sorted(d.glob(pattern + ".csv.gz"))
+
+
+def load_mlp_profiles(family: str, directory: Path | None = None, max_tokens: int = 4096
+                      ) -> Iterator[tuple[str, ModelSpec, int, np.ndarray, dict[str, np.ndarray]]]:
+    """Yield (file stem, model shape, tp, token counts, {op: measured seconds}) per TP degree."""
+    for path in _files(f"{family}_*_mlp", directory):
+        rows = _rows(path)
+        r0 = rows[0]
+        heads, hidden = int(r0["n_head"]), int(r0["n_embd"])
+        spec = ModelSpec(path.name.split("_")[1], hidden=hidden, layers=1, heads=heads,
+                         kv_heads=int(r0["n_kv_head"]), head_dim=hidden // heads,
+                         intermediate=int(r0["n_expanded_embd"]), vocab=int(r0["vocab_size"]))
+        for tp in sorted({int(r["num_tensor_parallel_workers"]) for r in rows}):
+            sel = sorted((int(r["num_tokens"]), r) for r in rows
+                         if int(r["num_tensor_parallel_workers"]) == tp
+                         and int(r["num_tokens"]) <= max_tokens)
+            tokens = np.array([t for t, _ in sel], dtype=float)
+            meas = {op: np.array([sum(float(r[f"time_stats.{c}.median"]) for c in cols)
+                                  for _, r in sel]) * 1e-3 for op, cols in OP_COLUMNS.items()}
+            yield path.name.split("_mlp")[0], spec, tp, tokens, meas
+
+
+def predict_ops(spec: ModelSpec, hw: HardwareSpec, tp: int, tokens: np.ndarray
+                ) -> dict[str, np.ndarray]:
+    """Per-layer seconds of the four linear composites for prefill batches of `tokens` rows."""
+    cm = RooflineCostModel(spec, hw, tp, dtype_bytes=2)
+    ops = cm.layer_op_times(BatchShape(prefill_tokens=tokens))
+    return {op: np.asarray(ops[op], dtype=float) for op in OP_COLUMNS}
+
+
+def op_errors(family: str, hw: HardwareSpec | None = None, directory: Path | None = None
+              ) -> dict[str, np.ndarray]:
+    """Relative errors |pred - meas| / meas per op over every profile row of the family."""
+    hw = hw or HARDWARE[FAMILY_HW[family]]
+    errs: dict[str, list[np.ndarray]] = {op: [] for op in OP_COLUMNS}
+    for _, spec, tp, tokens, meas in load_mlp_profiles(family, directory):
+        pred = predict_ops(spec, hw, tp, tokens)
+        for op in OP_COLUMNS:
+            errs[op].append(np.abs(pred[op] - meas[op]) / meas[op])
+    return {op: np.concatenate(v) for op, v in errs.items()}
+
+
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.3,
+                iters: int = 400) -> np.ndarray:
+    """Minimal Nelder-Mead (numpy only: no scipy dependency for a one-off fit)."""
+    pts = [x0] + [x0 + step * np.eye(len(x0))[i] for i in range(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        centroid = np.mean(pts[:-1], axis=0)
+        refl = centroid + (centroid - pts[-1])
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = centroid + 2 * (centroid - pts[-1])
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = centroid + 0.5 * (pts[-1] - centroid)
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
+                vals = [f(p) for p in pts]
+    return pts[int(np.argmin(vals))]
+
+
+def fit_compute(family: str, directory: Path | None = None) -> dict[str, float]:
+    """Fit eff_compute, eff_mem, eff_elem and launch_s of one family to its op profiles."""
+    base = HARDWARE[FAMILY_HW[family]]
+    data = list(load_mlp_profiles(family, directory))
+
+    def loss(x: np.ndarray) -> float:
+        hw = base.with_params(**dict(zip(FIT_KEYS, np.exp(x))))
+        tot = [np.abs(np.log(predict_ops(s, hw, tp, t)[op] / m[op]))
+               for _, s, tp, t, m in data for op in OP_COLUMNS]
+        return float(np.mean(np.concatenate(tot)))
+
+    x = nelder_mead(loss, np.log([0.7, 0.8, 0.4, 3e-6]))
+    return dict(zip(FIT_KEYS, (float(v) for v in np.exp(x))))
+
+
+def load_allreduce(family: str, directory: Path | None = None) -> tuple[np.ndarray, ...]:
+    """Intra-node NCCL all-reduce rows: (workers, bytes, seconds)."""
+    (path,) = _files(f"network_{family}_dgx_all_reduce", directory)[:1]
+    rows = [r for r in _rows(path) if r["num_workers"] == r["devices_per_node"]]
+    n = np.array([int(r["num_workers"]) for r in rows], dtype=float)
+    nbytes = np.array([int(r["size"]) * 2 for r in rows], dtype=float)
+    secs = np.array([float(r["time_stats.all_reduce.median"]) for r in rows]) * 1e-3
+    return n, nbytes, secs
+
+
+def allreduce_time(hw: HardwareSpec, n: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Ring all-reduce: latency + 2(n-1)/n * bytes / (link bw * bus efficiency)."""
+    p = hw.params
+    return p.ar_latency_s + 2 * (n - 1) / n * nbytes / (hw.nvlink_bw * p.ar_eff)
+
+
+def fit_allreduce(family: str, directory: Path | None = None) -> dict[str, float]:
+    base = HARDWARE[FAMILY_HW[family]]
+    n, nb, t = load_allreduce(family, directory)
+
+    def loss(x: np.ndarray) -> float:
+        hw = base.with_params(ar_latency_s=float(np.exp(x[0])), ar_eff=float(np.exp(x[1])))
+        return float(np.mean(np.abs(np.log(allreduce_time(hw, n, nb) / t))))
+
+    x = nelder_mead(loss, np.log([20e-6, 0.8]))
+    return {"ar_latency_s": float(np.exp(x[0])), "ar_eff": float(np.exp(x[1]))}
+
+
+def report(family: str, hw: HardwareSpec | None = None) -> str:
+    hw = hw or HARDWARE[FAMILY_HW[family]]
+    errs = op_errors(family, hw)
+    n, nb, t = load_allreduce(family)
+    ar = np.abs(allreduce_time(hw, n, nb) - t) / t
+    lines = [f"{family}: median relative error per op over {len(errs['qkv_proj'])} rows"]
+    lines += [f"  {op:<13} {np.median(e) * 100:5.1f} %  (p90 {np.percentile(e, 90) * 100:5.1f} %)"
+              for op, e in errs.items()]
+    lines.append(f"  {'allreduce':<13} {np.median(ar) * 100:5.1f} %  (p90 "
+                 f"{np.percentile(ar, 90) * 100:5.1f} %)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for family in FAMILY_HW:
+        fitted = {**fit_compute(family), **fit_allreduce(family)}
+        print(f"{family}: " + ", ".join(f"{k}={v:.4g}" for k, v in fitted.items()))
+        hw = HARDWARE[FAMILY_HW[family]]
+        print(report(family, replace(hw, params=replace(hw.params, **fitted))))
+
+
+if __name__ == "__main__":
+    main()

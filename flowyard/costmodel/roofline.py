@@ -1,0 +1,187 @@
+"""Analytical roofline cost model: FLOPs and bytes of each operator, times efficiency factors.
+
+Per GPU of a TP group (Megatron sharding: QKV and gate_up split by columns, O and down by
+rows, vocab-parallel embedding and lm_head), with T = prefill_tokens + decode_seqs rows:
+
+  linear op (K -> N per GPU)   t = max(2*T*K*N / (peak*eff_compute),
+                                       (K*N + T*(K+N)) * b / (bw*eff_mem)) + launch
+  fused elementwise traffic    t = bytes / (bw*eff_elem) + launch per kernel
+      qkv_proj  += input RMSNorm (2*T*h*b)          o_proj += residual add (3*T*h*b)
+      attn      += RoPE on q,k and the KV-cache write
+      gate_up   += post-attention RMSNorm            down   += SwiGLU (3*T*I/tp*b) + add
+  attention  prefill: FLOPs = 4*(heads/tp)*d*(prefill_attn + attn_tile*prefill_tokens)
+                      bytes = prefill_kv*kv_b + prefill_tokens*qo_b   (max of the two times)
+             decode:  FLOPs = 4*(heads/tp)*d*decode_ctx
+                      bytes = decode_ctx*kv_b + decode_seqs*qo_b     (at eff_attn_mem)
+             kv_b = 2*kv_heads_per_gpu*d*b (K and V, one layer), qo_b = 2*(heads/tp)*d*b
+  allreduce  2 per layer: 2*(latency + 2(tp-1)/tp * T*h*b / (link_bw*ar_eff))
+  step       embed (gather T rows), lm_head on rows that sample (prefill_seqs +
+             decode_seqs) after the final norm, logits all-gather, and a CPU overhead of
+             step_overhead_s + seq_overhead_s * sequences.
+
+KV heads are split across the TP group while kv_heads >= tp and replicated (one per GPU)
+beyond that, as vLLM does. The total is computed directly in `step_time` (no dicts) because
+the simulator calls it ~1e5 times per run; `layer_op_times` gives the same numbers per op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.base import CostModel, Seconds
+from flowyard.costmodel.hardware import GiB, HardwareSpec, get_hardware
+from flowyard.costmodel.models import ModelSpec, get_model
+
+_LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class RooflineCostModel(CostModel):
+    """Step time of `model` on a TP group of `tp` GPUs of type `hardware`.
+
+    Every `RooflineParams` factor can be overridden by keyword (e.g. `eff_compute=0.6`);
+    the defaults are the hardware family's calibrated values."""
+
+    def __init__(self, model: ModelSpec | str, hardware: HardwareSpec | str, tp: int = 1, *,
+                 gpu_mem_util: float = 0.9, activation_reserve_bytes: float | None = None,
+                 dtype_bytes: int | None = None, **overrides: float) -> None:
+        self.model = m = get_model(model)
+        hw = get_hardware(hardware)
+        self.hardware = hw = hw.with_params(**overrides) if overrides else hw
+        if tp < 1 or m.heads % tp:
+            raise ValueError(f"tp={tp} must divide {m.name}'s {m.heads} attention heads")
+        self.tp, self.gpu_mem_util = tp, gpu_mem_util
+        self.num_layers = m.layers
+        p = hw.params
+        self.dtype_bytes = b = dtype_bytes or hw.dtype_bytes or m.bytes_per_param
+        h, d, inter = m.hidden, m.head_dim, m.intermediate / tp
+        self.heads_per_gpu = hq = m.heads // tp
+        self.kv_heads_per_gpu = hk = max(1, -(-m.kv_heads // tp))
+        flops, bw = hw.peak_flops * p.eff_compute, hw.mem_bw * p.eff_mem
+        elem = hw.mem_bw * p.eff_elem
+        # (K, N) per GPU of each linear op and the elementwise bytes per row folded into it.
+        shapes = {"qkv_proj": (h, (hq + 2 * hk) * d), "o_proj": (hq * d, h),
+                  "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+        elem_rows = {"qkv_proj": 2 * h, "o_proj": 3 * h, "gate_up_proj": 2 * h,
+                     "down_proj": 3 * inter + 3 * h}
+        kernels = {"qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 3}
+        # Per op: (sec per row of compute, sec of weight stream, sec per row of activations,
+        # sec per row of elementwise traffic, fixed launch seconds).
+        self._lin = {}
+        for op, (k, n) in shapes.items():
+            self._lin[op] = (2 * k * n / flops, k * n * b / bw, (k + n) * b / bw,
+                             elem_rows[op] * b / elem, kernels[op] * p.launch_s)
+        self._a = tuple(self._lin[op][0] for op in _LINEAR)
+        self._w = tuple(self._lin[op][1] for op in _LINEAR)
+        self._b = tuple(self._lin[op][2] for op in _LINEAR)
+        self._lin_elem = sum(v[3] for v in self._lin.values())
+        self._lin_launch = sum(v[4] for v in self._lin.values())
+        # Attention: RoPE on q and k plus writing the new K/V are elementwise, per row.
+        self._kv_b = kv_b = 2 * hk * d * b
+        qo_b = 2 * hq * d * b
+        self._attn_elem = (2 * (hq + hk) * d * b + kv_b) / elem
+        self._attn_launch = 2 * p.launch_s
+        self._pf = 4 * hq * d / (hw.peak_flops * p.eff_attn)  # sec per causal pair
+        self._tile = p.attn_tile
+        self._pkv, self._pqo = kv_b / bw, qo_b / bw
+        self._dkv, self._dqo = (kv_b / (hw.mem_bw * p.eff_attn_mem),
+                                qo_b / (hw.mem_bw * p.eff_attn_mem))
+        # TP collectives: within a node over NVLink, beyond it over the network.
+        link = hw.nvlink_bw if tp <= hw.gpus_per_node else hw.net_bw
+        ring = 2 * (tp - 1) / tp
+        if tp > 1:
+            self._ar_c = 2 * p.ar_latency_s
+            self._ar_row = 2 * ring * h * b / (link * p.ar_eff)
+            self._gather_row = (tp - 1) / tp * m.vocab * 4 / (link * p.ar_eff)
+        else:
+            self._ar_c = self._ar_row = self._gather_row = 0.0
+        # Step level: embedding gather (+ its all-reduce), final norm, lm_head, overhead.
+        vocab = m.vocab / tp
+        self._emb_row = 2 * h * b / elem + self._ar_row / 2
+        self._emb_c = p.launch_s + self._ar_c / 2
+        self._lm_a, self._lm_w = 2 * h * vocab / flops, h * vocab * b / bw
+        self._lm_b = (h + vocab) * b / bw + self._gather_row
+        self._lm_norm = 2 * h * b / elem
+        self._lm_c = 2 * p.launch_s + self._ar_c / 2
+        self._ovh_c, self._ovh_seq = p.step_overhead_s, p.seq_overhead_s
+        # Memory: weights held per GPU (K/V projections replicate with the KV heads).
+        self.weight_bytes_per_gpu = int(b * (m.layers * sum(k * n for k, n in shapes.values())
+                                             + m.vocab * h / tp * (1 if m.tied_embeddings else 2)))
+        if activation_reserve_bytes is None:
+            # CUDA context, graphs and NCCL buffers, plus activations of an 8192-token batch.
+            base = 1.5 * GiB if hw.name != "cpu" else 0.5 * GiB
+            activation_reserve_bytes = base + 8192 * (shapes["qkv_proj"][1] + 2 * inter + 4 * h) * b
+        self.activation_reserve_bytes = activation_reserve_bytes
+
+    # -- the hot path -----------------------------------------------------------------------
+    def step_time(self, shape: BatchShape) -> Seconds:
+        """Whole-step seconds; element-wise when any field is a numpy array."""
+        pt, ps, pa, pk = shape.prefill_tokens, shape.prefill_seqs, shape.prefill_attn, shape.prefill_kv
+        ds, dc = shape.decode_seqs, shape.decode_ctx
+        T = pt + ds
+        if type(dc) is np.ndarray or type(T) is np.ndarray or type(pa) is np.ndarray \
+                or type(pk) is np.ndarray:
+            mx = np.maximum
+        elif T == 0:
+            return 0.0
+        else:
+            mx = max
+        a, w, bb = self._a, self._w, self._b
+        layer = (mx(a[0] * T, w[0] + bb[0] * T) + mx(a[1] * T, w[1] + bb[1] * T)
+                 + mx(a[2] * T, w[2] + bb[2] * T) + mx(a[3] * T, w[3] + bb[3] * T)
+                 + mx(self._pf * (pa + self._tile * pt), self._pkv * pk + self._pqo * pt)
+                 + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
+                 + (self._lin_elem + self._attn_elem + self._ar_row) * T
+                 + self._lin_launch + self._attn_launch + self._ar_c)
+        rows = ps + ds
+        return (self.num_layers * layer
+                + self._emb_row * T + self._emb_c
+                + mx(self._lm_a * rows, self._lm_w + self._lm_b * rows) + self._lm_norm * T
+                + self._lm_c + self._ovh_c + self._ovh_seq * rows)
+
+    # -- per operator (FlowPrefill's preemption points, profiling, reports) -----------------
+    def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
+        pt, ds, dc = shape.prefill_tokens, shape.decode_seqs, shape.decode_ctx
+        T = pt + ds
+        mx = np.maximum
+        out: dict[str, Seconds] = {}
+        for op in ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj"):
+            if op == "attn":
+                out[op] = (mx(self._pf * (shape.prefill_attn + self._tile * pt),
+                              self._pkv * shape.prefill_kv + self._pqo * pt)
+                           + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
+                           + self._attn_elem * T + self._attn_launch)
+            else:
+                a, w, b, e, c = self._lin[op]
+                out[op] = mx(a * T, w + b * T) + e * T + c
+        out["allreduce"] = self._ar_row * T + self._ar_c
+        return {k: _scalar(v) for k, v in out.items()}
+
+    def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
+        T = shape.prefill_tokens + shape.decode_seqs
+        rows = shape.prefill_seqs + shape.decode_seqs
+        lm = np.maximum(self._lm_a * rows, self._lm_w + self._lm_b * rows)
+        return {"embed": _scalar(self._emb_row * T + self._emb_c),
+                "lm_head": _scalar(lm + self._lm_norm * T + self._lm_c),
+                "overhead": _scalar(self._ovh_c + self._ovh_seq * rows
+                                    + 0.0 * np.asarray(shape.decode_ctx, dtype=float))}
+
+    # -- memory -----------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """2 (K,V) * layers * kv_heads_per_gpu * head_dim * dtype bytes, on one GPU."""
+        return self.num_layers * self._kv_b
+
+    def kv_capacity_tokens(self) -> int:
+        """(memory * util - weights/GPU - activation reserve) / KV bytes per token. Every GPU of
+        the group holds its shard of every token, so this is the instance's capacity."""
+        free = (self.hardware.mem_bytes * self.gpu_mem_util - self.weight_bytes_per_gpu
+                - self.activation_reserve_bytes)
+        return max(0, int(free // self.kv_bytes_per_token()))
+
+    def __repr__(self) -> str:
+        return f"RooflineCostModel({self.model.name!r}, {self.hardware.name!r}, tp={self.tp})"
+
+
+def _scalar(v: Seconds) -> Seconds:
+    """numpy 0-d results back to float, so scalar callers get plain floats."""
+    return float(v) if np.ndim(v) == 0 else v
