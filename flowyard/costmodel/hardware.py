@@ -24,7 +24,8 @@ class RooflineParams:
     """Efficiency factors and constants of `RooflineCostModel` (fractions of datasheet peak).
 
     eff_compute   GEMM FLOP/s / peak            eff_mem      weight/activation stream / HBM bw
-    eff_elem      norm/act/add/RoPE / HBM bw    launch_s     fixed time per kernel
+    gemm_fixed_s  fixed time per GEMM (launch, tail wave, the ridge the max() misses)
+    eff_elem      norm/act/add/RoPE / HBM bw    launch_s     fixed time per other kernel
     eff_attn      prefill attention FLOP/s / peak, at long sequence (FlashAttention-2)
     attn_tile     causal pairs wasted per query token on diagonal tiles (short prompts are slower)
     eff_attn_mem  decode attention KV stream / HBM bw
@@ -34,6 +35,7 @@ class RooflineParams:
 
     eff_compute: float
     eff_mem: float
+    gemm_fixed_s: float
     eff_elem: float
     launch_s: float
     eff_attn: float
@@ -47,25 +49,30 @@ class RooflineParams:
 
 # Fitted by `python -m flowyard.costmodel.calibrate` on the Vidur a100 (Meta-Llama-3-8B,
 # Meta-Llama-3-70B, Qwen-72B) and h100 (Llama-2-7b, Llama-2-70b, Qwen-72B) profiles, TP 1-8,
-# 1..4096 tokens; composite ops as defined in calibrate.OP_COLUMNS. Median relative error per
-# op (A100 / H100): qkv 10.2/12.9 %, o_proj 13.4/14.9 %, gate_up 8.5/11.4 %, down 10.0/13.7 %.
+# 1..4096 tokens (3132 rows per family): GEMM factors on the GEMM columns, elementwise factors
+# on the norm/act/add/RoPE columns, all-reduce on intra-node NCCL rows. Median relative error
+# of our composite ops (A100 / H100): qkv_proj 5.2 / 6.8 %, o_proj 7.0 / 5.7 %, gate_up_proj
+# 5.3 / 5.5 %, down_proj 5.7 / 9.0 %; p90 14-21 % (the max() misses the GEMM ridge and
+# cuBLAS's odd kernel choices, e.g. 2x slow gate_up at 256 tokens on H100). All-reduce 5.9 /
+# 6.7 %. ar_eff > 1: NCCL on NVSwitch beats the ring bound computed from per-direction NVLink
+# bandwidth (H100's NVLink SHARP reduces inside the switch).
 # eff_attn: FlashAttention-2 causal forward, head dim 128, reaches 335 TFLOP/s on H100 SXM5 at
 # 16k (298 at 2k, 191 at 512) [Shah et al., FlashAttention-3, arXiv:2407.08608, Fig. 5];
-# 335/989 = 0.34 with the diagonal-tile term reproducing the drop at short lengths. On A100,
-# FA2 reaches ~70 % of peak [Dao, FlashAttention-2, arXiv:2307.08691]; causal ~ 0.62.
+# 335/989 = 0.34, with attn_tile reproducing the drop at short lengths. On A100 FA2 reaches
+# 50-73 % of peak [Dao, FlashAttention-2, arXiv:2307.08691]; causal taken as 0.6.
 # eff_attn_mem is not calibrated (no attention profile): assumed below the GEMV streaming
 # efficiency because paged KV reads are gathered block by block.
 A100_PARAMS = RooflineParams(
-    eff_compute=0.0, eff_mem=0.0, eff_elem=0.0, launch_s=0.0, eff_attn=0.62, attn_tile=128.0,
-    eff_attn_mem=0.70, ar_eff=0.0, ar_latency_s=0.0)
+    eff_compute=0.695, eff_mem=0.777, gemm_fixed_s=9.2e-6, eff_elem=0.43, launch_s=2.3e-6,
+    eff_attn=0.6, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=1.15, ar_latency_s=48e-6)
 H100_PARAMS = RooflineParams(
-    eff_compute=0.0, eff_mem=0.0, eff_elem=0.0, launch_s=0.0, eff_attn=0.34, attn_tile=128.0,
-    eff_attn_mem=0.70, ar_eff=0.0, ar_latency_s=0.0)
+    eff_compute=0.685, eff_mem=0.886, gemm_fixed_s=8.3e-6, eff_elem=0.458, launch_s=1.85e-6,
+    eff_attn=0.34, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=1.56, ar_latency_s=29e-6)
 # 2-core CPU running the engine in float32 (PyTorch): measured on the dev VM (AMD EPYC Zen 4,
 # 2 vCPU): numpy sgemm 2048^3 at 68 GFLOP/s, fp32 GEMV at 7.4 GB/s; ~10 us per torch op.
 CPU_PARAMS = RooflineParams(
-    eff_compute=0.45, eff_mem=0.37, eff_elem=0.25, launch_s=10e-6, eff_attn=0.25,
-    attn_tile=64.0, eff_attn_mem=0.3, ar_eff=0.5, ar_latency_s=50e-6,
+    eff_compute=0.45, eff_mem=0.37, gemm_fixed_s=20e-6, eff_elem=0.25, launch_s=10e-6,
+    eff_attn=0.25, attn_tile=64.0, eff_attn_mem=0.3, ar_eff=0.5, ar_latency_s=50e-6,
     step_overhead_s=2e-3, seq_overhead_s=20e-6)
 
 
@@ -76,6 +83,8 @@ class HardwareSpec:
     nvlink_bw is per GPU and per direction (datasheets quote the bidirectional total: half
     of it); net_bw is the GPU's share of inter-node network (one 200/400 Gb/s NIC per GPU).
     dtype_bytes overrides the model's parameter width (the CPU engine runs float32).
+    runtime_reserve_bytes is memory the runtime keeps besides weights, activations and KV
+    (CUDA context, CUDA graphs, NCCL buffers).
     """
 
     name: str
@@ -86,9 +95,10 @@ class HardwareSpec:
     net_bw: float
     params: RooflineParams = field(repr=False, default=H100_PARAMS)
     gpus_per_node: int = 8
-    nvlink_latency_s: float = 10e-6
-    net_latency_s: float = 30e-6
+    nvlink_latency_s: float = 8e-6   # Vidur send/recv, 4 KB message: 5-8 us intra-node
+    net_latency_s: float = 20e-6     # and 17-24 us across nodes
     dtype_bytes: int | None = None
+    runtime_reserve_bytes: float = 1.5 * GiB
 
     def with_params(self, **changes: float) -> "HardwareSpec":
         """A copy with some roofline factors replaced (for what-if studies and fitting)."""
@@ -111,12 +121,13 @@ HARDWARE: dict[str, HardwareSpec] = {
     "h800": HardwareSpec("h800", 989e12, 3350 * GB, 80 * GiB, 200 * GB, 50 * GB, H100_PARAMS),
     # H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     "h200": HardwareSpec("h200", 989e12, 4800 * GB, 141 * GB, 450 * GB, 50 * GB, H100_PARAMS),
-    # 2-core AVX-512 server CPU (Zen 4 / Sapphire Rapids class): 2 cores x 2 FMA x 16 fp32
-    # lanes x 2 x ~2.4 GHz = 154 GFLOP/s fp32; ~20 GB/s DRAM for two cores; 16 GB of RAM;
-    # "NVLink" is a shared-memory copy, "network" 10 Gb/s Ethernet.
+    # 2-core AVX-512 server CPU (AMD Zen 4 class, e.g. a 2-vCPU EPYC cloud VM): 32 fp32
+    # FLOP/cycle/core (two 256-bit FMA pipes run AVX-512 in halves) x 2 cores x ~2.4 GHz =
+    # 154 GFLOP/s fp32 (the engine's CPU dtype); ~20 GB/s of DRAM bandwidth for two cores;
+    # 16 GB RAM; "NVLink" is a shared-memory copy, "network" 10 Gb/s Ethernet.
     "cpu": HardwareSpec("cpu", 154e9, 20 * GB, 16 * GiB, 5 * GB, 1.25 * GB, CPU_PARAMS,
                         gpus_per_node=1, nvlink_latency_s=20e-6, net_latency_s=100e-6,
-                        dtype_bytes=4),
+                        dtype_bytes=4, runtime_reserve_bytes=0.5 * GiB),
 }
 HARDWARE_NAMES: tuple[str, ...] = tuple(HARDWARE)
 

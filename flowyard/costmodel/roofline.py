@@ -4,11 +4,11 @@ Per GPU of a TP group (Megatron sharding: QKV and gate_up split by columns, O an
 rows, vocab-parallel embedding and lm_head), with T = prefill_tokens + decode_seqs rows:
 
   linear op (K -> N per GPU)   t = max(2*T*K*N / (peak*eff_compute),
-                                       (K*N + T*(K+N)) * b / (bw*eff_mem)) + launch
-  fused elementwise traffic    t = bytes / (bw*eff_elem) + launch per kernel
-      qkv_proj  += input RMSNorm (2*T*h*b)          o_proj += residual add (3*T*h*b)
+                                       (K*N + T*(K+N)) * b / (bw*eff_mem)) + gemm_fixed_s
+  fused elementwise kernels    t = T * bytes_per_row / (bw*eff_elem) + launch_s each
+      qkv_proj  += input RMSNorm (2*h*b per row)   o_proj += residual add (h*b: L2-resident)
       attn      += RoPE on q,k and the KV-cache write
-      gate_up   += post-attention RMSNorm            down   += SwiGLU (3*T*I/tp*b) + add
+      gate_up   += post-attention RMSNorm (2*h*b)  down   += SwiGLU (3*I/tp*b) + residual add
   attention  prefill: FLOPs = 4*(heads/tp)*d*(prefill_attn + attn_tile*prefill_tokens)
                       bytes = prefill_kv*kv_b + prefill_tokens*qo_b   (max of the two times)
              decode:  FLOPs = 4*(heads/tp)*d*decode_ctx
@@ -30,7 +30,7 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel, Seconds
-from flowyard.costmodel.hardware import GiB, HardwareSpec, get_hardware
+from flowyard.costmodel.hardware import HardwareSpec, get_hardware
 from flowyard.costmodel.models import ModelSpec, get_model
 
 _LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -59,33 +59,40 @@ class RooflineCostModel(CostModel):
         self.kv_heads_per_gpu = hk = max(1, -(-m.kv_heads // tp))
         flops, bw = hw.peak_flops * p.eff_compute, hw.mem_bw * p.eff_mem
         elem = hw.mem_bw * p.eff_elem
-        # (K, N) per GPU of each linear op and the elementwise bytes per row folded into it.
-        shapes = {"qkv_proj": (h, (hq + 2 * hk) * d), "o_proj": (hq * d, h),
-                  "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
-        elem_rows = {"qkv_proj": 2 * h, "o_proj": 3 * h, "gate_up_proj": 2 * h,
-                     "down_proj": 3 * inter + 3 * h}
-        kernels = {"qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 3}
-        # Per op: (sec per row of compute, sec of weight stream, sec per row of activations,
-        # sec per row of elementwise traffic, fixed launch seconds).
+        # (K, N) per GPU of each linear op's GEMM, and the elementwise kernels folded into
+        # each op with their HBM bytes per row (named as in Vidur's profiles). Residual adds
+        # count one hidden vector: their operands were just written and still sit in L2.
+        self.gemms = {"qkv_proj": (h, (hq + 2 * hk) * d), "o_proj": (hq * d, h),
+                      "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+        self._kv_b = kv_b = 2 * hk * d * b
+        self.elementwise: dict[str, tuple[tuple[str, float], ...]] = {
+            "qkv_proj": (("input_layernorm", 2 * h * b),),
+            "attn": (("attn_rope", 2 * (hq + hk) * d * b), ("kv_cache_write", kv_b)),
+            "o_proj": (("add", h * b),),
+            "gate_up_proj": (("post_attention_layernorm", 2 * h * b),),
+            "down_proj": (("mlp_act", 3 * inter * b), ("add", h * b)),
+        }
+        # Per linear op: (sec per row of compute, sec of weight stream, sec per row of
+        # activations, sec per row of elementwise traffic, fixed seconds of its kernels).
         self._lin = {}
-        for op, (k, n) in shapes.items():
+        for op, (k, n) in self.gemms.items():
+            ew = self.elementwise[op]
             self._lin[op] = (2 * k * n / flops, k * n * b / bw, (k + n) * b / bw,
-                             elem_rows[op] * b / elem, kernels[op] * p.launch_s)
+                             sum(r for _, r in ew) / elem, p.gemm_fixed_s + len(ew) * p.launch_s)
         self._a = tuple(self._lin[op][0] for op in _LINEAR)
         self._w = tuple(self._lin[op][1] for op in _LINEAR)
         self._b = tuple(self._lin[op][2] for op in _LINEAR)
         self._lin_elem = sum(v[3] for v in self._lin.values())
         self._lin_launch = sum(v[4] for v in self._lin.values())
-        # Attention: RoPE on q and k plus writing the new K/V are elementwise, per row.
-        self._kv_b = kv_b = 2 * hk * d * b
+        # Attention: the attention kernel plus RoPE and the KV-cache write.
         qo_b = 2 * hq * d * b
-        self._attn_elem = (2 * (hq + hk) * d * b + kv_b) / elem
-        self._attn_launch = 2 * p.launch_s
+        self._attn_elem = sum(r for _, r in self.elementwise["attn"]) / elem
+        self._attn_launch = 3 * p.launch_s
         self._pf = 4 * hq * d / (hw.peak_flops * p.eff_attn)  # sec per causal pair
         self._tile = p.attn_tile
         self._pkv, self._pqo = kv_b / bw, qo_b / bw
-        self._dkv, self._dqo = (kv_b / (hw.mem_bw * p.eff_attn_mem),
-                                qo_b / (hw.mem_bw * p.eff_attn_mem))
+        dbw = hw.mem_bw * p.eff_attn_mem
+        self._dkv, self._dqo = kv_b / dbw, qo_b / dbw
         # TP collectives: within a node over NVLink, beyond it over the network.
         link = hw.nvlink_bw if tp <= hw.gpus_per_node else hw.net_bw
         ring = 2 * (tp - 1) / tp
@@ -100,32 +107,31 @@ class RooflineCostModel(CostModel):
         self._emb_row = 2 * h * b / elem + self._ar_row / 2
         self._emb_c = p.launch_s + self._ar_c / 2
         self._lm_a, self._lm_w = 2 * h * vocab / flops, h * vocab * b / bw
-        self._lm_b = (h + vocab) * b / bw + self._gather_row
+        self._lm_b = (h + vocab) * b / bw
+        self._lm_gather = self._gather_row  # logits all-gather, per sampled row
         self._lm_norm = 2 * h * b / elem
-        self._lm_c = 2 * p.launch_s + self._ar_c / 2
+        self._lm_c = p.gemm_fixed_s + p.launch_s + self._ar_c / 2
         self._ovh_c, self._ovh_seq = p.step_overhead_s, p.seq_overhead_s
         # Memory: weights held per GPU (K/V projections replicate with the KV heads).
-        self.weight_bytes_per_gpu = int(b * (m.layers * sum(k * n for k, n in shapes.values())
+        self.weight_bytes_per_gpu = int(b * (m.layers * sum(k * n for k, n in self.gemms.values())
                                              + m.vocab * h / tp * (1 if m.tied_embeddings else 2)))
         if activation_reserve_bytes is None:
-            # CUDA context, graphs and NCCL buffers, plus activations of an 8192-token batch.
-            base = 1.5 * GiB if hw.name != "cpu" else 0.5 * GiB
-            activation_reserve_bytes = base + 8192 * (shapes["qkv_proj"][1] + 2 * inter + 4 * h) * b
+            # The runtime's own memory plus the activations of an 8192-token batch (vLLM's
+            # default max_num_batched_tokens, which it profiles at start-up).
+            activation_reserve_bytes = hw.runtime_reserve_bytes + 8192 * (
+                self.gemms["qkv_proj"][1] + 2 * inter + 4 * h) * b
         self.activation_reserve_bytes = activation_reserve_bytes
 
     # -- the hot path -----------------------------------------------------------------------
     def step_time(self, shape: BatchShape) -> Seconds:
         """Whole-step seconds; element-wise when any field is a numpy array."""
-        pt, ps, pa, pk = shape.prefill_tokens, shape.prefill_seqs, shape.prefill_attn, shape.prefill_kv
+        pt, ps = shape.prefill_tokens, shape.prefill_seqs
         ds, dc = shape.decode_seqs, shape.decode_ctx
+        pa, pk = shape.prefill_attn, shape.prefill_kv
         T = pt + ds
-        if type(dc) is np.ndarray or type(T) is np.ndarray or type(pa) is np.ndarray \
-                or type(pk) is np.ndarray:
-            mx = np.maximum
-        elif T == 0:
-            return 0.0
-        else:
-            mx = max
+        mx = _max_for(shape)
+        if mx is max and T == 0:
+            return 0.0  # nothing to run (layer_op_times still prices the weight stream)
         a, w, bb = self._a, self._w, self._b
         layer = (mx(a[0] * T, w[0] + bb[0] * T) + mx(a[1] * T, w[1] + bb[1] * T)
                  + mx(a[2] * T, w[2] + bb[2] * T) + mx(a[3] * T, w[3] + bb[3] * T)
@@ -137,13 +143,13 @@ class RooflineCostModel(CostModel):
         return (self.num_layers * layer
                 + self._emb_row * T + self._emb_c
                 + mx(self._lm_a * rows, self._lm_w + self._lm_b * rows) + self._lm_norm * T
-                + self._lm_c + self._ovh_c + self._ovh_seq * rows)
+                + self._lm_c + (self._lm_gather + self._ovh_seq) * rows + self._ovh_c)
 
     # -- per operator (FlowPrefill's preemption points, profiling, reports) -----------------
     def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
         pt, ds, dc = shape.prefill_tokens, shape.decode_seqs, shape.decode_ctx
         T = pt + ds
-        mx = np.maximum
+        mx = _max_for(shape)
         out: dict[str, Seconds] = {}
         for op in ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj"):
             if op == "attn":
@@ -160,7 +166,8 @@ class RooflineCostModel(CostModel):
     def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
         T = shape.prefill_tokens + shape.decode_seqs
         rows = shape.prefill_seqs + shape.decode_seqs
-        lm = np.maximum(self._lm_a * rows, self._lm_w + self._lm_b * rows)
+        lm = (_max_for(shape)(self._lm_a * rows, self._lm_w + self._lm_b * rows)
+              + self._lm_gather * rows)
         return {"embed": _scalar(self._emb_row * T + self._emb_c),
                 "lm_head": _scalar(lm + self._lm_norm * T + self._lm_c),
                 "overhead": _scalar(self._ovh_c + self._ovh_seq * rows
@@ -180,6 +187,15 @@ class RooflineCostModel(CostModel):
 
     def __repr__(self) -> str:
         return f"RooflineCostModel({self.model.name!r}, {self.hardware.name!r}, tp={self.tp})"
+
+
+def _max_for(shape: BatchShape):
+    """Builtin max (fast) for scalar shapes, np.maximum when any field is an array."""
+    for v in (shape.decode_ctx, shape.prefill_tokens, shape.prefill_attn, shape.prefill_kv,
+              shape.decode_seqs, shape.prefill_seqs):
+        if type(v) is np.ndarray:
+            return np.maximum
+    return max
 
 
 def _scalar(v: Seconds) -> Seconds:

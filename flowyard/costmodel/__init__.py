@@ -1,0 +1,37 @@
+"""Cost models: how long a step of a `BatchShape` takes on one serving instance.
+
+    from flowyard.costmodel import make_cost_model, Link, kv_transfer_time
+    cm = make_cost_model("llama-3-8b", "h100", tp=1)
+    cm.step_time(BatchShape.of([(0, 2048)], []))      # seconds
+    cm.layer_op_times(shape)                          # per operator, one layer
+    kv_transfer_time(cm, 2048, Link.nvlink("h100"))   # moving that prompt's KV
+
+Names are case-insensitive; unknown names raise `CatalogError` (a ValueError) whose message
+lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flowyard.costmodel.base import LAYER_OPS, STEP_OPS, CostModel
+from flowyard.costmodel.catalog import CatalogError
+from flowyard.costmodel.hardware import (HARDWARE, HARDWARE_NAMES, HardwareSpec, RooflineParams,
+                                         get_hardware)
+from flowyard.costmodel.link import Link, kv_transfer_time
+from flowyard.costmodel.models import MODEL_NAMES, MODELS, ModelSpec, get_model
+from flowyard.costmodel.roofline import RooflineCostModel
+
+__all__ = [
+    "CatalogError", "CostModel", "HARDWARE", "HARDWARE_NAMES", "HardwareSpec", "LAYER_OPS",
+    "Link", "MODELS", "MODEL_NAMES", "ModelSpec", "RooflineCostModel", "RooflineParams",
+    "STEP_OPS", "get_hardware", "get_model", "kv_transfer_time", "make_cost_model",
+]
+
+
+def make_cost_model(model: str | Path | ModelSpec, hardware: str | HardwareSpec, tp: int = 1,
+                    **kwargs: float) -> RooflineCostModel:
+    """The roofline cost model for a model (catalog name, config.json path or spec) on a TP
+    group of `tp` GPUs of `hardware`; kwargs override efficiency factors (see RooflineParams)
+    or pass gpu_mem_util / activation_reserve_bytes / dtype_bytes."""
+    return RooflineCostModel(get_model(model), get_hardware(hardware), tp, **kwargs)
