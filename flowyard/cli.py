@@ -115,6 +115,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_json(summary, args.json, extra={"config": vars(cfg), "events": result.events,
                                               "sim_time_s": result.sim_time})
         print(f"wrote {args.json}")
+    if args.plot:
+        from flowyard.bench.plot import plot_cdf
+
+        plot_cdf({summary.policy: result.states}, args.plot, slo=cfg.ttft_slo,
+                 title=f"{cfg.trace}: TTFT CDF")
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -130,23 +136,25 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     base = _config(args, policies[0])
     workload = load_workload(base)
     cost = build_cost_model(base)
+    # The search runs in req/s; a rate r replays the trace at rate scale r / base_rate.
+    mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
     results = []
     for name in policies:
         cfg = base.replace(policy=name)
 
-        def attainment(scale: float, cfg=cfg) -> float:
+        def attainment(rate: float, cfg=cfg) -> float:
+            scale = rate / mean_rate
             summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
             if not args.quiet:
-                print(f"  {cfg.policy:>16}  rate x{scale:7.3f}  attainment {summary.slo_attainment:6.1%}",
-                      file=sys.stderr)
+                print(f"  {cfg.policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  "
+                      f"attainment {summary.slo_attainment:6.1%}", file=sys.stderr)
             return summary.slo_attainment
 
-        res = goodput_search(attainment, lo=args.scale_lo, hi=args.scale_hi, target=args.target,
-                             tol=args.tol, policy=name)
+        res = goodput_search(attainment, lo=args.scale_lo * mean_rate, hi=args.scale_hi * mean_rate,
+                             target=args.target, tol=args.tol, policy=name)
         results.append(res)
     print(format_goodput_table(results))
-    mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
-    print(f"goodput is in units of the trace's rate scale; x1 = {mean_rate:.3f} req/s on average")
+    print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average")
     if args.json:
         write_goodput_json(results, args.json, extra={"config": vars(base), "base_rate_rps": mean_rate})
         print(f"wrote {args.json}")
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_flags(p)
     p.add_argument("--policy", default="vllm", help="scheduling policy")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write the TTFT CDF as PNG")
     p.set_defaults(func=cmd_simulate)
     g = sub.add_parser("goodput", help="search the goodput of several policies on one workload")
     _add_workload_flags(g)

@@ -1,0 +1,73 @@
+"""The `flowyard` command line, end to end through `main(argv)`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowyard.cli import main
+
+SMALL = ["--trace", "azure-conv", "--num-requests", "150", "--instances", "2", "--quiet"]
+
+
+@pytest.mark.parametrize(
+    "flag,value,listed",
+    [("--trace", "nope", "azure-conv"), ("--model", "gpt-9", "llama-3-8b"),
+     ("--hardware", "tpu", "h100"), ("--policy", "magic", "distserve-cp2k")],
+)
+def test_unknown_names_list_valid_ones_and_exit_2(capsys, flag, value, listed):
+    argv = ["simulate", *SMALL, flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowyard: error:") and listed in err and len(err.splitlines()) == 1
+
+
+def test_bad_flag_values_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--instances", "0"])
+    assert e.value.code == 2
+    assert main(["simulate", *SMALL, "--ttft-slo-by-length", "abc"]) == 2
+    assert "flowyard: error:" in capsys.readouterr().err
+
+
+def test_broken_trace_file_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "t.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                   "2023-11-16 18:15:47.0,abc,5\n")
+    assert main(["simulate", "--trace", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "t.csv" in err and "line 3" in err
+
+
+def test_simulate_prints_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    png = tmp_path / "cdf.png"
+    assert main(["simulate", *SMALL, "--policy", "distserve", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "Mean TTFT (ms)" in text
+    data = json.loads(out.read_text())
+    for key in ("policy", "requests", "completed", "slo_attainment", "throughput_rps",
+                "output_tokens_per_s", "wall_s"):
+        assert key in data
+    for key in ("ttft", "tpot", "e2e"):
+        assert set(data[key]) >= {"mean", "p50", "p90", "p99"}
+    assert data["requests"] == data["completed"] == 150
+    assert png.stat().st_size > 1000
+
+
+def test_goodput_searches_each_policy(tmp_path):
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    argv = ["goodput", *SMALL, "--policies", "vllm,round-robin", "--hardware", "a100-40g",
+            "--scale-lo", "1", "--scale-hi", "8", "--tol", "0.2", "--json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in results] == ["vllm", "round-robin"]
+    for r in results:
+        assert r["goodput_rps"] > 0 and len(r["curve"]) >= 2
+    assert png.stat().st_size > 1000
+
+
+def test_json_to_missing_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["simulate", *SMALL, "--json", str(tmp_path / "no" / "r.json")]) == 1
+    assert "no/r.json" in capsys.readouterr().err
