@@ -1,7 +1,8 @@
 """Discrete-event cluster simulator: the virtual-clock executor of the shared policies.
 
-Events live in one heap ordered by (time, sequence number), so equal-time events keep their
-insertion order and a run is deterministic. Events: a request arrives; an instance finishes
+Events live in one heap ordered by (time, kind, sequence number): at equal times arrivals come
+first, then step ends, then KV landings, each kind in insertion order, so a run is
+deterministic. Arrivals enter the heap one at a time, which keeps the heap small. Events: a request arrives; an instance finishes
 the step(s) it was running; a KV transfer lands. Instances take their step times from the
 cost model.
 
@@ -99,7 +100,7 @@ class Simulator:
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
         self._kv_bytes = cost_model.kv_bytes_per_token()
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, object]] = []  # (time, kind, seq, payload)
         self._seq = itertools.count()
         self.now = 0.0
         self.steps = 0
@@ -128,17 +129,19 @@ class Simulator:
 
     # -- event plumbing ------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+        heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
 
     def run(self) -> SimResult:
         start = time.perf_counter()
         states = [RequestState(r) for r in self.requests]
-        for st in states:
-            self._push(st.req.arrival, ARRIVAL, st)
+        pending = sorted(states, key=lambda s: s.req.arrival)
+        nxt = 0
+        if pending:
+            self._push(pending[0].req.arrival, ARRIVAL, pending[0])
         events = 0
         heap = self._heap
         while heap:
-            t, _, kind, payload = heapq.heappop(heap)
+            t, kind, _, payload = heapq.heappop(heap)
             self.now = t
             events += 1
             if kind == STEP:
@@ -146,6 +149,9 @@ class Simulator:
                 if version == inst.version:
                     self._complete(inst, len(inst.ends))
             elif kind == ARRIVAL:
+                nxt += 1
+                if nxt < len(pending):
+                    self._push(pending[nxt].req.arrival, ARRIVAL, pending[nxt])
                 self._arrive(payload)  # type: ignore[arg-type]
             else:
                 self._kv_landed(*payload)  # type: ignore[misc]
