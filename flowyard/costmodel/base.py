@@ -61,3 +61,39 @@ class CostModel(ABC):
     def prefill_time(self, prompt_len: int, history: int = 0) -> float:
         """Time of a lone prefill of prompt_len new tokens over `history` cached tokens."""
         return float(self.step_time(BatchShape.of([(history, prompt_len)], [])))
+
+
+class ScaledCostModel(CostModel):
+    """A predictor that is wrong by a fixed factor: every time of `base` times `factor`.
+
+    Policies use a cost model as their predictor (TTFT-hat, batch latency). Handing them a
+    scaled copy while the simulator keeps the true one measures how robust a policy is to
+    prediction error (factor 1.2 = predictions 20 % too slow).
+    """
+
+    def __init__(self, base: CostModel, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError(f"prediction error factor must be positive, got {factor}")
+        self.base = base
+        self.factor = factor
+        self.num_layers = base.num_layers
+
+    def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
+        return {k: v * self.factor for k, v in self.base.layer_op_times(shape).items()}
+
+    def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
+        return {k: v * self.factor for k, v in self.base.step_overhead(shape).items()}
+
+    def step_time(self, shape: BatchShape) -> Seconds:
+        return self.base.step_time(shape) * self.factor
+
+    def kv_bytes_per_token(self) -> int:
+        return self.base.kv_bytes_per_token()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens()
+
+
+def with_error(model: CostModel, factor: float) -> CostModel:
+    """`model` as a predictor whose times are off by `factor` (see ScaledCostModel)."""
+    return model if factor == 1.0 else ScaledCostModel(model, factor)

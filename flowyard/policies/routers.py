@@ -45,8 +45,8 @@ class LeastLoad(GlobalScheduler):
 
 
 class VllmDataParallel(GlobalScheduler):
-    """vLLM's data-parallel load balancer: score = 4 x waiting + running (vLLM weights queued
-    requests four times as heavily as running ones)."""
+    """vLLM v1's data-parallel load balancer (DPLBAsyncMPClient in vllm/v1/engine/
+    core_client.py): score = waiting * 4 + running, lowest score wins."""
 
     name = "vllm"
 

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import Request, RequestState, Status
@@ -32,7 +33,7 @@ from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role
 from flowyard.policies.registry import Policy
 from flowyard.sim.cluster import Topology
 
-ARRIVAL, STEP, KV_DONE = 0, 1, 2
+ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
 
 
 class SimulationError(RuntimeError):
