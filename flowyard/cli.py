@@ -58,6 +58,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="override the policy's prefill chunk / token budget")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse KV of shared prefixes (Mooncake hash_ids, multi-turn history)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -72,6 +74,7 @@ def _config(args: argparse.Namespace, policy: str):
         rate=args.rate, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo,
         ttft_slo_by_length=args.ttft_slo_by_length, seed=args.seed,
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
+        prefix_caching=args.enable_prefix_caching,
     )
 
 

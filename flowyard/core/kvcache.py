@@ -6,6 +6,11 @@ on the engine. Block ids are real (the engine indexes its cache tensors with the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flowyard.core.request import RequestState
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -78,6 +83,14 @@ class KVCacheManager:
             return 0
         self._free.extend(table)
         return len(table)
+
+    # -- prefix caching hooks (no-ops here; see prefix_cache.PrefixCachingKVManager) -------
+    def match_prefix(self, st: "RequestState") -> int:
+        """Attach cached prefix blocks to a request with no blocks; tokens covered."""
+        return 0
+
+    def register(self, st: "RequestState") -> None:
+        """Publish a request's newly computed full blocks for reuse."""
 
     def leaked(self) -> dict[int, int]:
         """Requests that still hold blocks (for end-of-run conservation checks)."""

@@ -122,6 +122,7 @@ class RequestState:
     prefill_instance: int | None = None
     reject_reason: str | None = None
     output_tokens: list[int] = field(default_factory=list)
+    prefix_keys: list = field(default_factory=list)  # cache of prefix_cache.block_keys
 
     @property
     def id(self) -> int:

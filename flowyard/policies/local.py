@@ -48,7 +48,7 @@ class BatchScheduler(LocalScheduler):
         self.config = config
         limit = kv.capacity_tokens
         self.max_model_len = min(limit, config.max_model_len or limit)
-        self._waiting: list[tuple[tuple[float, ...], int, RequestState]] = []
+        self._waiting: list[tuple[tuple[float, ...], int, RequestState, int]] = []
         self._waiting_tokens = 0
         self._seq = itertools.count()
         self.running: list[RequestState] = []
@@ -67,12 +67,12 @@ class BatchScheduler(LocalScheduler):
         return (req.arrival,)
 
     def _push_waiting(self, st: RequestState) -> None:
-        heapq.heappush(self._waiting, (self._key(st), next(self._seq), st))
+        heapq.heappush(self._waiting, (self._key(st), next(self._seq), st, st.uncomputed))
         self._waiting_tokens += st.uncomputed
 
     def _pop_waiting(self) -> RequestState:
-        st = heapq.heappop(self._waiting)[2]
-        self._waiting_tokens -= st.uncomputed
+        _, _, st, tokens = heapq.heappop(self._waiting)
+        self._waiting_tokens -= tokens
         return st
 
     @property
@@ -137,8 +137,13 @@ class BatchScheduler(LocalScheduler):
         budget = cfg.max_num_batched_tokens - plan.num_tokens
         while self._waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             st = self._waiting[0][2]
+            cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
+            st.num_computed += cached
             n = self._chunk(st.uncomputed, budget, plan)
             if not n or not self.kv.allocate(st.id, st.num_computed + n):
+                if cached:  # give the shared prefix back; it is matched again next time
+                    self.kv.free(st.id)
+                    st.num_computed = 0
                 break
             self._pop_waiting()
             st.status = Status.RUNNING
@@ -225,10 +230,12 @@ class BatchScheduler(LocalScheduler):
                 d.output_tokens.extend(sampled.get(d.id, ()))
             if steps < plan.max_repeats:
                 self.kv.trim(d.id, d.num_computed)
+            self.kv.register(d)
             touched.append(d)
         for s in plan.prefills:
             st = s.state
             st.num_computed += s.n
+            self.kv.register(st)
             if s.samples:
                 st.record_tokens(times[:1])
                 if sampled is not None:
@@ -294,7 +301,7 @@ class BatchScheduler(LocalScheduler):
             self._migrations.remove(st)
         entries = [w for w in self._waiting if w[2] is not st]
         if len(entries) != len(self._waiting):
-            self._waiting_tokens -= st.uncomputed
+            self._waiting_tokens -= next(w[3] for w in self._waiting if w[2] is st)
             self._waiting = entries
             heapq.heapify(self._waiting)
         self.kv.free(req_id)

@@ -57,6 +57,7 @@ class SimConfig:
     chunk_size: int | None = None
     max_num_seqs: int = 256
     block_size: int = 16
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -119,7 +120,7 @@ def simulate(
     policy = build_policy(cfg.policy, opts)
     sim = Simulator(
         w.requests, policy, cost_model or build_cost_model(cfg), build_topology(cfg),
-        block_size=cfg.block_size, progress=progress,
+        block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
     )
     result = sim.run()
     summary = summarize(result.states, policy=policy.name, wall_s=result.wall_s)

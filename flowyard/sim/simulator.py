@@ -27,6 +27,7 @@ import numpy as np
 from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role
@@ -85,6 +86,7 @@ class Simulator:
         block_size: int = 16,
         progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[int, StepPlan, int], None] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.requests = list(requests)
         self.policy = policy
@@ -93,8 +95,9 @@ class Simulator:
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
+        kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
         self.instances = [
-            SimInstance(i, policy.make_local(i, KVCacheManager(num_blocks, block_size)))
+            SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size)))
             for i in range(len(policy.roles))
         ]
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
