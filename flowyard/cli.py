@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
     g.set_defaults(func=cmd_goodput)
+    from flowyard.server.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,128 @@
+"""`EngineClient` over an `LLMEngine` running in a background thread.
+
+The engine loop owns the engine: it drains a command queue (add, abort), runs one step when
+there is work, and pushes each request's outputs to that request's asyncio queue with
+`call_soon_threadsafe`. PyTorch releases the GIL inside its kernels, so the asyncio server
+stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from flowyard.core.request import SLO
+from flowyard.engine.llm_engine import LLMEngine
+from flowyard.engine.protocol import EngineStats, QueueFullError
+from flowyard.engine.sampling import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_waiting = max_waiting if max_waiting is not None else engine.config.max_waiting
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending = 0  # accepted, not yet seen by the engine loop
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="flowyard-engine", daemon=True)
+        self._thread.start()
+
+    # -- EngineClient -----------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        if self._error:
+            raise RuntimeError(f"engine failed: {self._error}")
+        with self._lock:
+            if self.engine.num_waiting + self._pending >= self.max_waiting:
+                raise QueueFullError(
+                    f"the server is at capacity ({self.max_waiting} requests waiting); retry later"
+                )
+            self._pending += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", request_id, prompt_ids, params, slo))
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await q.get()
+                if out.error:  # rejected at admission (bad input), or the engine broke
+                    raise (RuntimeError if self._error else ValueError)(out.error)
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # client went away or the consumer stopped: free the KV
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(
+            num_running=e.num_running, num_waiting=e.num_waiting + self._pending,
+            kv_usage=e.kv.usage, prefix_cache_hit_rate=getattr(e.kv, "hit_rate", 0.0),
+            healthy=self._error is None and self._thread.is_alive(), detail=self._error or "",
+        )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, slo = cmd  # "wake" commands fall through
+            with self._lock:
+                self._pending -= 1
+            try:
+                self.engine.add_request(rid, prompt, params, slo)
+            except ValueError as e:
+                self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(e)))
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                try:
+                    self._apply(self._commands.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:  # take every pending add/abort before the next step
+                try:
+                    self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                for out in self.engine.step():
+                    self._deliver(out)
+            except Exception as e:  # a broken step must not hang clients: fail them all
+                log.exception("engine step failed")
+                self._error = f"{type(e).__name__}: {e}"
+                for rid in list(self._streams):
+                    self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=self._error))
+                return

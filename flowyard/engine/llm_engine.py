@@ -1,0 +1,238 @@
+"""The single-instance engine: the shared local scheduler + the model runner + output
+processing (detokenisation, stop conditions).
+
+Scheduling is not here. `LLMEngine.step` asks the very `BatchScheduler` the simulator uses
+(the `vllm` baseline) for a plan, runs it for real, decides which requests hit EOS or a stop
+string, and hands the result back through `update_from_output`, exactly like the simulated
+executor does with a cost model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import StepOutput
+from flowyard.core.prefix_cache import PrefixCachingKVManager
+from flowyard.core.request import SLO, NO_SLO, Request, RequestState, Status
+from flowyard.engine.model import CausalLM
+from flowyard.engine.runner import ModelRunner
+from flowyard.engine.sampling import RequestOutput, SamplingParams, sample
+from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from flowyard.policies.base import Role
+from flowyard.policies.local import BatchConfig, BatchScheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory_mb: int = 384  # KV cache size; kv_cache_tokens overrides it
+    kv_cache_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's context, capped by the KV cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # chunked-prefill token budget
+    max_waiting: int = 256  # bounded queue; past it the server answers 429
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError("kv_cache_tokens must hold at least one block")
+        if self.kv_cache_memory_mb < 1:
+            raise ValueError("kv_cache_memory_mb must be positive")
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Engine-side bookkeeping of one request: its params, detokeniser and stop handling."""
+
+    request_id: str
+    state: RequestState
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    text: str = ""
+    emitted: int = 0  # characters of text already streamed
+    emitted_tokens: int = 0
+    stop_hit: bool = False
+    finish_reason: str | None = None
+    banned: tuple[int, ...] = field(default_factory=tuple)
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
+                 name: str = "model") -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.model_name = name
+        self.tokenizer = tokenizer
+        self.dtype = DTYPES[config.dtype]
+        self.model = model.to(self.dtype).eval()
+        cfg = model.cfg
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        tokens = config.kv_cache_tokens or config.kv_cache_memory_mb * 2**20 // per_token
+        num_blocks = max(1, tokens // config.block_size)
+        kv_cls = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
+        self.kv = kv_cls(num_blocks, config.block_size)
+        ctx = model.cfg.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or ctx, ctx, num_blocks * config.block_size)
+        self.scheduler = BatchScheduler(0, Role.MIXED, self.kv, BatchConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, max_repeats=1,
+        ))
+        self.runner = ModelRunner(self.model, self.kv, self.dtype)
+        self._ids = itertools.count()
+        self._by_int: dict[int, _Tracked] = {}
+        self._by_str: dict[str, _Tracked] = {}
+        self._t0 = time.monotonic()
+        self.eos = tuple(tokenizer.eos_token_ids)
+
+    @classmethod
+    def from_path(cls, path: str | None = None, config: EngineConfig = EngineConfig()) -> "LLMEngine":
+        """Load a Hugging Face directory or GGUF file; the embedded SmolLM2 when path is None."""
+        from flowyard.engine.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+        from flowyard.engine.loader import load_checkpoint
+
+        ckpt = load_checkpoint(path or embedded_model_path())
+        model = CausalLM(ckpt.config, max_positions=min(ckpt.config.max_position_embeddings, 32768))
+        model.load_weights(ckpt.weights)
+        name = EMBEDDED_MODEL_NAME if path is None else ckpt.name
+        return cls(model, ckpt.tokenizer, config, name=name)
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    slo: SLO | None = None) -> None:
+        if request_id in self._by_str:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+        rid = next(self._ids)
+        req = Request(id=rid, arrival=self.now(), prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
+                      slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids))
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed)
+        t = _Tracked(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
+        self._by_int[rid] = t
+        self._by_str[request_id] = t
+        if not self.scheduler.add_request(t.state, req.arrival):
+            self._forget(t)
+            raise ValueError(t.state.reject_reason or "request rejected")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        t = self._by_str.get(request_id)
+        if t is None:
+            return None
+        self.scheduler.abort(t.state.id)
+        self._forget(t)
+        return RequestOutput(request_id, finished=True, finish_reason="abort",
+                             prompt_tokens=t.state.req.prompt_len, completion_tokens=t.state.num_output)
+
+    def _forget(self, t: _Tracked) -> None:
+        self._by_int.pop(t.state.id, None)
+        self._by_str.pop(t.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._by_int)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(self.now())
+        if plan is None:
+            return []
+        logits, samplers = self.runner.execute(plan)
+        tracked = [self._by_int[s.id] for s in samplers]
+        for t in tracked:
+            n = t.state.num_output
+            t.banned = self.eos + t.params.stop_token_ids if n < t.params.min_tokens else ()
+        tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked],
+                        [t.banned for t in tracked])
+        stopped = set()
+        for t, tok in zip(tracked, tokens):
+            if self._check_stop(t, tok):
+                stopped.add(t.state.id)
+        out = StepOutput(end_times=np.array([self.now()]), sampled={t.state.id: [tok] for t, tok in zip(tracked, tokens)},
+                         stopped=frozenset(stopped))
+        result = self.scheduler.update_from_output(plan, out)
+        finished = {s.id for s in result.finished}
+        outputs = []
+        for t in tracked:
+            done = t.state.id in finished
+            outputs.append(self._output(t, done))
+            if done:
+                self._forget(t)
+        return outputs
+
+    def _check_stop(self, t: _Tracked, tok: int) -> bool:
+        """Stop on EOS (unless ignore_eos), a stop token id, or a stop string in the text."""
+        p = t.params
+        t.text += t.detok.push(tok)
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            t.finish_reason = "stop"
+            return True
+        for s in p.stop:
+            idx = t.text.find(s, max(0, t.emitted - len(s)))
+            if idx != -1:
+                t.text = t.text[:idx]
+                t.finish_reason = "stop"
+                t.stop_hit = True
+                return True
+        return False
+
+    def _output(self, t: _Tracked, done: bool) -> RequestOutput:
+        st = t.state
+        if done:
+            end = len(t.text)
+            reason = t.finish_reason or "length"
+        else:
+            hold = max((len(s) for s in t.params.stop), default=1) - 1
+            end = max(t.emitted, len(t.text) - hold)
+            reason = None
+        new_ids = st.output_tokens[t.emitted_tokens:]
+        t.emitted_tokens = len(st.output_tokens)
+        delta = t.text[t.emitted:end]
+        t.emitted = end
+        return RequestOutput(t.request_id, new_token_ids=list(new_ids), new_text=delta, finished=done,
+                             finish_reason=reason, prompt_tokens=st.req.prompt_len,
+                             completion_tokens=st.num_output)
+
+    # -- offline use -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts (token ids) to completion together; one merged output per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{next(self._ids)}-{i}" for i in range(len(prompts))]
+        merged = {rid: RequestOutput(rid) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while any(not merged[r].finished for r in ids):
+            for o in self.step():
+                m = merged[o.request_id]
+                m.new_token_ids += o.new_token_ids
+                m.new_text += o.new_text
+                m.finished, m.finish_reason = o.finished, o.finish_reason
+                m.prompt_tokens, m.completion_tokens = o.prompt_tokens, o.completion_tokens
+        return [merged[r] for r in ids]

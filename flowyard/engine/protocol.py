@@ -1,0 +1,56 @@
+"""What the HTTP server needs from an engine: the seam between `server` and `engine`.
+
+The server only talks to an `EngineClient`; the in-process engine, a multi-instance runtime
+or a test double can stand behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+from flowyard.core.request import SLO
+from flowyard.engine.sampling import RequestOutput, SamplingParams
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Gauges for /metrics and /health (vLLM's meanings)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    prefix_cache_hit_rate: float = 0.0
+    healthy: bool = True
+    detail: str = ""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's bounded queue is full: the server answers 429."""
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: TokenizerLike
+
+    def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; raises QueueFullError at once if it cannot be queued.
+        Cancelling the iteration (client gone) aborts the request and frees its KV."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,92 @@
+"""Sampling parameters (OpenAI's plus vLLM's extensions) and the sampler itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, per request.
+
+    temperature 0 means greedy. seed makes a sampled request reproducible on its own,
+    whatever else is in the batch. stop strings end generation and are not returned.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One increment of a request's output, as the engine streams it to a client."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def sample(
+    logits: "torch.Tensor",
+    params: list[SamplingParams],
+    generators: list["torch.Generator | None"],
+    banned: list[tuple[int, ...]],
+) -> list[int]:
+    """Pick one token per row of logits (rows, vocab).
+
+    banned[i]: token ids that row i may not produce yet (EOS and stop ids before min_tokens).
+    A row with its own generator (a request with a seed) draws from it alone, so its tokens
+    do not depend on what else shares the batch.
+    """
+    import torch
+
+    for i, ids in enumerate(banned):
+        if ids:
+            logits[i, list(ids)] = float("-inf")
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for i, p in enumerate(params):
+        row = logits[i]
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
+    return out

@@ -1,0 +1,59 @@
+"""`flowyard serve`: the OpenAI-compatible server on the real engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server (embedded model by default)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB", help="KV cache size in MiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget")
+    p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests get 429")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flowyard.engine.async_engine import AsyncLLMEngine
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.server.app import build_app
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(
+        dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+        threads=args.threads,
+    )
+    print(f"flowyard: loading {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}) ...",
+          file=sys.stderr, flush=True)
+    engine = LLMEngine.from_path(args.model, config)
+    client = AsyncLLMEngine(engine)
+    app = build_app(client, api_key=args.api_key, served_model_name=args.served_model_name)
+    name = args.served_model_name or engine.model_name
+    print(f"flowyard: serving {name!r} on http://{args.host}:{args.port}/v1 "
+          f"(max_model_len {engine.max_model_len}, KV {engine.kv.capacity_tokens} tokens)",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        client.shutdown()
+    return 0

@@ -1,0 +1,167 @@
+"""Prometheus metrics of the HTTP server, named like vLLM's.
+
+vLLM exports `vllm:<suffix>`; flowyard exports `flowyard:<suffix>` with the same suffixes,
+meanings, label (`model_name`) and histogram buckets, so existing vLLM dashboards work after
+replacing the prefix. Every app gets its own `CollectorRegistry` (not the process-global one)
+so several servers or test apps in one process never clash.
+
+Latencies are measured here, at the server, from the moment the HTTP handler starts:
+- time_to_first_token_seconds: arrival -> first output increment carrying tokens;
+- time_per_output_token_seconds: per output increment, gap / tokens in it, observed once per
+  token (vLLM's per-iteration meaning; equals inter-token latency for one-token steps);
+- request_time_per_output_token_seconds: per request, (last - first) / (n - 1), the TPOT of
+  DESIGN.md and of the SLO check;
+- e2e_request_latency_seconds: arrival -> final output.
+Gauges (running/waiting/KV usage) are read from `engine.stats()` at scrape time.
+SLO counters count requests that carry an SLO and finished normally (stop/length); attained
+means every objective carried was met (TTFT, mean TPOT, and every client-visible gap for TBT).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flowyard.core.request import SLO
+from flowyard.engine.protocol import EngineClient
+from flowyard.engine.sampling import RequestOutput
+
+log = logging.getLogger("flowyard.server")
+
+PREFIX = "flowyard:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+NORMAL_FINISH = ("stop", "length")
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges read from `engine.stats()` on every scrape, so they are never stale."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        lab = ["model_name"]
+        return [
+            GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in model execution batches.", labels=lab),
+            GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting to be processed.", labels=lab),
+            GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=lab),
+            GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix-cache hit rate (fraction).", labels=lab),
+        ]
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        fams = self._families()
+        try:
+            s = self.engine.stats()
+        except Exception:  # a scrape must not fail because the engine is unwell
+            log.exception("engine.stats() failed during /metrics scrape")
+            return fams
+        for fam, value in zip(fams, (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate)):
+            fam.add_metric([self.model_name], float(value))
+        return fams
+
+
+class ServerMetrics:
+    """All collectors of one server, in one private registry."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token in seconds.",
+                              lab, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token in seconds.",
+                              lab, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.req_tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                                  "Mean time per output token of each request, (last-first)/(n-1).",
+                                  lab, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             lab, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.",
+                                     lab, registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
+                                         lab, registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
+                                lab + ["finished_reason"], registry=r)
+        self.slo_attained = Counter(PREFIX + "slo_attained", "Finished requests that met every SLO they carry.",
+                                    lab, registry=r).labels(model_name)
+        self.slo_violated = Counter(PREFIX + "slo_violated", "Finished requests that missed an SLO they carry.",
+                                    lab, registry=r).labels(model_name)
+        self.model_name = model_name
+        r.register(_EngineStatsCollector(engine, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start(self, prompt_len: int, slo: SLO | None, arrival: float) -> "RequestMetrics":
+        return RequestMetrics(self, prompt_len, slo, arrival)
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+
+class RequestMetrics:
+    """Timing of one request as its outputs pass through the server (perf_counter clock)."""
+
+    def __init__(self, m: ServerMetrics, prompt_len: int, slo: SLO | None, arrival: float) -> None:
+        self.m, self.prompt_len, self.slo, self.arrival = m, prompt_len, slo, arrival
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.max_gap = 0.0
+        self.done = False
+
+    def on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        k = len(out.new_token_ids)
+        if k == 0:
+            return
+        now = time.perf_counter() if now is None else now
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.arrival)
+            self.m.prompt_tokens.inc(self.prompt_len)
+        else:
+            gap = now - self.last  # type: ignore[operator]
+            self.max_gap = max(self.max_gap, gap)
+            for _ in range(k):
+                self.m.tpot.observe(gap / k)
+        self.last = now
+        self.tokens += k
+        self.m.generation_tokens.inc(k)
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        """Record the end of the request once (later calls are ignored)."""
+        if self.done:
+            return
+        self.done = True
+        now = time.perf_counter() if now is None else now
+        self.m.success(reason)
+        if reason not in NORMAL_FINISH:
+            return
+        self.m.e2e.observe(now - self.arrival)
+        tpot = None
+        if self.tokens >= 2 and self.first is not None and self.last is not None:
+            tpot = (self.last - self.first) / (self.tokens - 1)
+            self.m.req_tpot.observe(tpot)
+        if self.slo is None or self.slo.empty:
+            return
+        ttft = None if self.first is None else self.first - self.arrival
+        ok = True
+        if self.slo.ttft is not None:
+            ok &= ttft is not None and ttft <= self.slo.ttft
+        if self.slo.tpot is not None and tpot is not None:
+            ok &= tpot <= self.slo.tpot
+        if self.slo.tbt is not None:
+            ok &= self.max_gap <= self.slo.tbt
+        (self.m.slo_attained if ok else self.m.slo_violated).inc()
