@@ -188,9 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
     g.set_defaults(func=cmd_goodput)
+    from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.server.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

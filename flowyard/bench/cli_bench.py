@@ -1,0 +1,198 @@
+"""`flowyard bench`: the command-line face of `run_bench`, with vLLM-style flag names.
+
+Flags mirror `vllm bench serve` where one exists (--base-url, --endpoint, --model,
+--num-prompts, --request-rate, --burstiness, --max-concurrency, --goodput, --seed) so a
+benchmark script moves between the two tools by changing the program name; the workload
+flags (--trace, --rate-scale, --duration) are `flowyard simulate`'s, so a measured run and a
+simulated run of the same slice of a trace are asked for the same way.
+
+Errors are one line on stderr: bad flag values exit 2 (argparse, or a bad trace name), a
+server that is down or a failed run exits 1. Nothing here prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from flowyard.bench.serve_bench import BenchResult
+
+EXIT_USAGE = 2
+DEFAULT_PROMPTS = 1000  # vLLM's --num-prompts default, used when neither a count nor a duration is given
+
+
+def _number(text: str, *, allow_inf: bool = False) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(v) or not v > 0 or (math.isinf(v) and not allow_inf):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _positive(text: str) -> float:
+    return _number(text)
+
+
+def _rate(text: str) -> float:
+    return _number(text, allow_inf=True)
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _slo(text: str) -> str:
+    from flowyard.bench.serve_bench import parse_goodput
+
+    try:
+        parse_goodput(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `bench` subcommand on `subparsers` (from `add_subparsers`); returns it.
+    It sets `func=cmd_bench`, which returns the exit code."""
+    p = subparsers.add_parser(
+        "bench", help="load-test a running OpenAI-compatible server (like vllm bench serve)",
+        description="Replay a trace (or a Poisson/Gamma load with the trace's lengths) against "
+                    "any OpenAI-compatible server and report TTFT/TPOT/ITL/E2EL and goodput.")
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (with or without /v1)")
+    s.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                   help="/v1/chat/completions or /v1/completions")
+    s.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
+    s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    s.add_argument("--timeout", type=_positive, default=300.0,
+                   help="per-request deadline in seconds, connection to last token")
+    s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos/min_tokens (for servers that reject them)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", default="azure-conv", help="bundled trace name or a trace file path")
+    w.add_argument("--num-prompts", type=_count, default=None,
+                   help=f"send the first N requests (default {DEFAULT_PROMPTS} unless --duration)")
+    w.add_argument("--duration", type=_positive, default=None,
+                   help="send only the requests of the trace's first DURATION seconds")
+    w.add_argument("--rate-scale", type=_positive, default=1.0,
+                   help="multiply the trace's rate (timestamps x 1/scale)")
+    w.add_argument("--request-rate", type=_rate, default=None,
+                   help="re-time as Poisson/Gamma at this req/s; inf = all at once "
+                        "(default: the trace's own timestamps)")
+    w.add_argument("--burstiness", type=_positive, default=1.0,
+                   help="Gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 smoother")
+    w.add_argument("--max-concurrency", type=_count, default=None, help="most requests in flight")
+    w.add_argument("--max-input-len", type=_count, default=None, help="cap prompt lengths (tokens)")
+    w.add_argument("--max-output-len", type=_count, default=None, help="cap output lengths (tokens)")
+    w.add_argument("--seed", type=int, default=0, help="seed for arrivals and prompt words")
+    o = p.add_argument_group("results")
+    o.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
+    o.add_argument("--json", default=None, metavar="PATH", help="write results (vLLM keys too)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _error(msg: str, code: int) -> int:
+    print(f"flowyard: error: {msg}", file=sys.stderr)
+    return code
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Any]:
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("requests", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _row(label: str, value: object) -> str:
+    return f"{label + ':':<40} {value}"
+
+
+def format_extra(result: BenchResult) -> str:
+    """vLLM's result lines that flowyard's table lacks, plus the first errors (as vLLM lists
+    up to 10)."""
+    m = result.vllm_metrics()
+    lines = [_row("Model", result.model), _row("Endpoint", result.config.get("url", "")),
+             _row("Failed requests", m["failed"]),
+             _row("Total token throughput (tok/s)", f"{m['total_token_throughput']:.2f}"),
+             _row("Peak concurrent requests", m["max_concurrent_requests"])]
+    if m["request_goodput"] is not None:
+        lines.append(_row("Goodput SLOs (ms)", " ".join(f"{k}:{v:g}" for k, v in result.goodput.items())))
+        lines.append(_row("Request goodput (req/s)", f"{m['request_goodput']:.2f}"))
+    errs = result.errors()
+    for i, err in errs[:10]:
+        lines.append(f"  request {i}: {err}")
+    if len(errs) > 10:
+        lines.append(f"  ... and {len(errs) - 10} more failed requests")
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run `flowyard bench`; returns the exit code (0 ok, 1 run failed, 2 bad input)."""
+    from flowyard.bench.client import BenchError
+    from flowyard.bench.loadgen import cap_lengths
+    from flowyard.bench.report import format_table, write_json
+    from flowyard.bench.serve_bench import run_bench
+    from flowyard.workloads import clip, load_trace, scale_rate
+
+    try:
+        w = load_trace(args.trace, seed=args.seed)
+        if args.rate_scale != 1.0:
+            w = scale_rate(w, args.rate_scale)
+        num = args.num_prompts
+        if args.duration is not None:
+            w = clip(w, duration=args.duration)
+        elif num is None:
+            num = DEFAULT_PROMPTS
+        w = cap_lengths(w, args.max_input_len, args.max_output_len)
+    except ValueError as e:  # unknown trace, unreadable file, bad values
+        return _error(str(e), EXIT_USAGE)
+    try:
+        with _progress(not args.quiet) as progress:
+            result = run_bench(args.base_url, w, endpoint=args.endpoint, model=args.model,
+                               api_key=args.api_key, max_concurrency=args.max_concurrency,
+                               request_rate=args.request_rate, burstiness=args.burstiness,
+                               goodput=args.goodput, timeout=args.timeout, num_prompts=num,
+                               seed=args.seed, ignore_eos=args.ignore_eos, progress=progress)
+    except ValueError as e:
+        return _error(str(e), EXIT_USAGE)
+    except BenchError as e:
+        return _error(str(e), 1)
+    except KeyboardInterrupt:
+        return 130
+    print(format_table(result.summary))
+    print(format_extra(result))
+    if args.json:
+        try:
+            write_json(result.summary, args.json, extra={**result.vllm_metrics(), **result.config})
+        except OSError as e:
+            return _error(str(e), 1)
+        print(f"wrote {args.json}")
+    if result.summary.completed == 0:
+        first = result.errors()[0][1] if result.errors() else "no response"
+        return _error(f"all {len(result.outputs)} requests failed (first error: {first})", 1)
+    return 0
+
+
+__all__ = ["add_bench_parser", "cmd_bench", "format_extra"]

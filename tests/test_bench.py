@@ -1,0 +1,315 @@
+"""`flowyard bench` against a tiny fake OpenAI-compatible streaming server with known delays.
+
+The fake server (FastAPI + uvicorn on 127.0.0.1, background thread) counts prompt tokens as
+whitespace words plus a fixed template overhead, waits `ttft + per_prompt_token * prompt`
+before the first token and `itl` between chunks, can fail every k-th request with 500/429,
+and records the most requests it had in flight. Measured numbers are checked against those
+delays with a tolerance wide enough for a loaded CI machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from flowyard.bench.cli_bench import add_bench_parser  # noqa: E402
+from flowyard.bench.client import BenchError  # noqa: E402
+from flowyard.bench.loadgen import PromptBuilder, cap_lengths, request_body  # noqa: E402
+from flowyard.bench.serve_bench import parse_goodput, prepare_workload, run_bench  # noqa: E402
+from flowyard.core.request import Request  # noqa: E402
+from flowyard.workloads import Workload  # noqa: E402
+
+OVERHEAD = 7  # "chat template" tokens the fake server adds to every prompt
+VLLM_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+             "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+             "input_lens", "output_lens", "ttfts", "itls", "errors"} | {
+    f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+
+
+@dataclass
+class Fake:
+    ttft: float = 0.05
+    per_prompt_token: float = 0.0
+    itl: float = 0.02
+    tokens_per_chunk: int = 1
+    fail_every: int = 0
+    count: int = 0
+    inflight: int = 0
+    max_inflight: int = 0
+    bodies: list = field(default_factory=list)
+
+
+class Holder:
+    """The current test's Fake; a handler keeps the one it started with, so a request
+    abandoned by an earlier test (timeout) cannot touch the next test's counters."""
+
+    fake = Fake()
+
+
+def _app(holder: type[Holder]):
+    app = fastapi.FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    async def handle(body: dict, chat: bool):
+        fake = holder.fake
+        fake.count += 1
+        fake.bodies.append(body)
+        if fake.fail_every and fake.count % fake.fail_every == 0:
+            code = (500, 429)[(fake.count // fake.fail_every) % 2]
+            return JSONResponse({"error": {"message": f"fake failure {code}", "code": code}}, code)
+        text = body["messages"][0]["content"] if chat else body["prompt"]
+        prompt = len(text.split()) + OVERHEAD
+        n = int(body["max_tokens"])
+        fake.inflight += 1
+        fake.max_inflight = max(fake.max_inflight, fake.inflight)
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def choice(tok: str | None, fin=None):
+            if chat:
+                return {"index": 0, "delta": {} if tok is None else {"content": tok}, "finish_reason": fin}
+            return {"index": 0, "text": tok or "", "finish_reason": fin}
+
+        async def gen():
+            try:
+                if chat:  # role-only chunk right away: must not count as the first token
+                    yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                await asyncio.sleep(fake.ttft + fake.per_prompt_token * prompt)
+                sent = 0
+                while sent < n:
+                    if sent:
+                        await asyncio.sleep(fake.itl)
+                    k = min(fake.tokens_per_chunk, n - sent)
+                    yield sse({"choices": [choice(" tok" * k)]})
+                    sent += k
+                yield sse({"choices": [choice(None, "length")]})
+                yield sse({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n}})
+                yield "data: [DONE]\n\n"
+            finally:
+                fake.inflight -= 1
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: fastapi.Request):
+        return await handle(await req.json(), True)
+
+    @app.post("/v1/completions")
+    async def completions(req: fastapi.Request):
+        return await handle(await req.json(), False)
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(_app(Holder), host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 10
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert srv.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(5)
+
+
+@pytest.fixture
+def fake(server):
+    Holder.fake = Fake()  # fresh delays and counters for each test
+    return Holder.fake, server
+
+
+def workload(prompts, outputs, arrival=0.0) -> Workload:
+    reqs = [Request(id=i, arrival=arrival * i, prompt_len=p, output_len=o)
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+    return Workload("test", reqs)
+
+
+def test_measured_ttft_itl_match_server_delays(fake):
+    f, url = fake
+    f.ttft, f.itl = 0.06, 0.025
+    res = run_bench(url, workload([20, 50, 100, 30], [5] * 4), request_rate=float("inf"), seed=1)
+    m = res.vllm_metrics()
+    assert res.model == "fake-model" and m["completed"] == 4 and m["failed"] == 0
+    assert m["input_lens"] == [20, 50, 100, 30]  # calibrated prompts hit the server's count
+    assert m["output_lens"] == [5] * 4 and m["total_output_tokens"] == 20
+    # client and server share one process (and GIL): allow tens of ms of HTTP overhead
+    assert all(0.06 <= t < 0.06 + 0.08 for t in m["ttfts"])
+    itls = np.concatenate(m["itls"])
+    assert len(itls) == 16 and 0.02 <= itls.mean() < 0.025 + 0.015
+    assert 20 <= m["mean_tpot_ms"] < 40 and 160 <= m["median_e2el_ms"] < 160 + 100
+    assert m["mean_ttft_ms"] == pytest.approx(np.mean(m["ttfts"]) * 1e3)
+    body = f.bodies[-1]  # lengths are forced the way vLLM/SGLang honour them
+    assert body["max_tokens"] == body["min_tokens"] == 5 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_completions_endpoint_bundled_chunks(fake):
+    f, url = fake
+    f.ttft, f.itl, f.tokens_per_chunk = 0.03, 0.03, 2
+    res = run_bench(url, workload([10, 10], [6, 6]), endpoint="completions",
+                    request_rate=float("inf"), calibrate_prompts=False)
+    m = res.vllm_metrics()
+    assert "prompt" in f.bodies[-1] and m["output_lens"] == [6, 6]  # from usage, not chunk count
+    assert res.summary.output_tokens == 12
+    # 3 chunks 30 ms apart carry 6 tokens: TPOT = 60 ms / 5 tokens, as vLLM computes it;
+    # each chunk's time goes to both its tokens, so ITL shows the bundling as zero gaps
+    assert all(len(g) == 5 and sum(x == 0.0 for x in g) == 3 for g in m["itls"])
+    assert m["mean_tpot_ms"] == pytest.approx(np.mean([sum(g) / 5 for g in m["itls"]]) * 1e3)
+    assert 9 <= m["mean_tpot_ms"] < 12 + 20  # a late-read first chunk shortens the span
+    assert m["input_lens"] == [10 + OVERHEAD] * 2  # uncalibrated: server's own count reported
+
+
+def test_goodput_against_slos(fake):
+    f, url = fake
+    f.ttft, f.itl, f.per_prompt_token = 0.02, 0.01, 0.0005  # TTFT ~30 ms vs ~224 ms
+    w = workload([12, 400] * 3, [3] * 6)
+    res = run_bench(url, w, request_rate=float("inf"), goodput=["ttft:110", "tpot:1000"])
+    m = res.vllm_metrics()
+    assert res.good == [True, False] * 3 and res.summary.slo_attainment == pytest.approx(0.5)
+    assert m["request_goodput"] == pytest.approx(3 / m["duration"])
+    res = run_bench(url, w, request_rate=float("inf"), goodput={"e2el": 5})
+    assert sum(res.good) == 0 and res.summary.slo_attainment == 0.0
+    res = run_bench(url, w, request_rate=float("inf"))
+    assert res.request_goodput is None and res.vllm_metrics()["request_goodput"] is None
+
+
+def test_http_errors_are_counted_and_listed(fake):
+    f, url = fake
+    f.ttft, f.itl, f.fail_every = 0.01, 0.005, 3
+    res = run_bench(url, workload([10] * 9, [2] * 9), request_rate=float("inf"),
+                    calibrate_prompts=False, max_concurrency=1)
+    m = res.vllm_metrics()
+    assert m["failed"] == 3 and m["completed"] == 6 and res.summary.rejected == 3
+    errs = [e for e in m["errors"] if e]
+    assert len(m["errors"]) == 9 and len(errs) == 3
+    assert any(e.startswith("HTTP 500") for e in errs) and any(e.startswith("HTTP 429") for e in errs)
+    assert all("fake failure" in e for e in errs)
+    assert [m["output_lens"][i] for i, e in enumerate(m["errors"]) if e] == [0, 0, 0]
+
+
+def test_timeout_bounds_the_run(fake):
+    f, url = fake
+    f.ttft = 3.0
+    t = time.perf_counter()
+    res = run_bench(url, workload([5, 5], [2, 2]), request_rate=float("inf"), timeout=0.3,
+                    calibrate_prompts=False)
+    assert time.perf_counter() - t < 2.0
+    assert res.summary.completed == 0 and res.summary.aborted == 2
+    assert all("timeout" in e for _, e in res.errors())
+
+
+def test_max_concurrency_is_honoured(fake):
+    f, url = fake
+    f.ttft, f.itl = 0.02, 0.01
+    res = run_bench(url, workload([8] * 12, [3] * 12), request_rate=float("inf"),
+                    max_concurrency=3, calibrate_prompts=False)
+    assert res.summary.completed == 12
+    assert f.max_inflight == 3 and res.vllm_metrics()["max_concurrent_requests"] <= 3
+
+
+def test_connection_refused_is_one_clear_error(capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(BenchError, match="not reachable.*connection refused"):
+        run_bench(url, workload([5], [2]))
+    assert _cli(["--base-url", url, "--trace", "sharegpt", "--num-prompts", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowyard: error:") and "connection refused" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="flowyard")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+def test_cli_end_to_end_writes_vllm_keys(fake, tmp_path, capsys):
+    f, url = fake
+    f.ttft, f.itl = 0.01, 0.005
+    trace = tmp_path / "lens.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(
+        f"{p},{o}\n" for p, o in [(40, 3), (90, 12), (25, 2), (300, 8), (60, 5)]))
+    out = tmp_path / "r.json"
+    code = _cli(["--base-url", url + "/v1", "--trace", str(trace), "--request-rate", "inf",
+                 "--max-output-len", "4", "--max-input-len", "100", "--goodput", "ttft:2000",
+                 "tpot:2000", "--json", str(out), "--quiet", "--endpoint", "completions"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "Request goodput" in text
+    data = json.loads(out.read_text())
+    assert VLLM_KEYS <= set(data) and {"ttft", "slo_attainment", "throughput_rps"} <= set(data)
+    assert data["completed"] == 5 and data["failed"] == 0 and data["request_goodput"] > 0
+    assert data["output_lens"] == [3, 4, 2, 4, 4] and data["input_lens"] == [40, 90, 25, 100, 60]
+    assert data["model_id"] == "fake-model" and data["backend"] == "openai"
+
+
+@pytest.mark.parametrize("argv", [["--goodput", "foo:1"], ["--goodput", "ttft"],
+                                  ["--request-rate", "0"], ["--endpoint", "grpc"],
+                                  ["--max-concurrency", "0"], ["--burstiness", "-1"]])
+def test_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli(argv)
+    assert e.value.code == 2
+
+
+def test_unknown_trace_exits_2(capsys):
+    assert _cli(["--trace", "nope", "--quiet"]) == 2
+    assert "unknown trace" in capsys.readouterr().err
+
+
+def test_parse_goodput_and_arrivals():
+    assert parse_goodput("ttft:500 tpot:50") == {"ttft": 500.0, "tpot": 50.0}
+    assert parse_goodput(["e2el:1e4"]) == {"e2el": 10000.0}
+    for bad in ("ttft", "itl:5", "ttft:-1", "ttft:x"):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+    w = workload([5] * 200, [2] * 200, arrival=1.0)
+    assert all(r.arrival == 0 for r in prepare_workload(w, request_rate=float("inf")).requests)
+    p = prepare_workload(w, request_rate=10.0, seed=3)
+    assert p.rate == pytest.approx(10.0, rel=0.25)
+    g = np.diff(prepare_workload(w, request_rate=10.0, burstiness=0.25, seed=3).arrivals())
+    assert g.std() / g.mean() > 1.4  # shape 0.25 → CV 2
+    assert len(prepare_workload(w, num_prompts=7)) == 7
+
+
+def test_prompts_and_caps():
+    b = PromptBuilder(overhead=OVERHEAD, slope=1.0, seed=0)
+    r = Request(id=0, arrival=0.0, prompt_len=57, output_len=4)
+    assert len(b.prompt(r).split()) == 50 and b.prompt(r) == b.prompt(r)
+    assert b.prompt(r) != b.prompt(Request(id=1, arrival=0.0, prompt_len=57, output_len=4))
+    shared = [Request(id=i, arrival=0.0, prompt_len=40, output_len=1, block_hashes=(9, i + 1),
+                      hash_block_size=16) for i in range(2)]
+    a, c = (b.prompt(x).split() for x in shared)
+    assert a[:16] == c[:16] and a[16:] != c[16:]  # same hash block → same words
+    assert request_body("chat", "m", "hi", 3, ignore_eos=False) == {
+        "model": "m", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}]}
+    w = cap_lengths(workload([10, 500], [900, 5]), max_input_len=100, max_output_len=50)
+    assert [(r.prompt_len, r.target_output) for r in w.requests] == [(10, 50), (100, 5)]
