@@ -33,6 +33,15 @@ class AttentionBatch:
     num_prefill_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # (B, max_blocks) long, padded with 0
     decode_ctx_lens: torch.Tensor | None = None  # (B,) tokens in context incl. the new one
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size) bool
+    grouped_decode: bool = False  # see paged_attention
+
+    def finalize(self, block_size: int) -> None:
+        """Precompute what every layer would otherwise rebuild (the decode padding mask)."""
+        if self.decode_block_tables is not None and self.decode_mask is None:
+            b, width = self.decode_block_tables.shape
+            keys = torch.arange(width * block_size)
+            self.decode_mask = (keys.unsqueeze(0) < self.decode_ctx_lens.unsqueeze(1)).view(b, 1, 1, -1)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -69,13 +78,20 @@ def paged_attention(
         )
         out[rows] = o.squeeze(0).transpose(0, 1)
     if batch.decode_block_tables is not None:
+        # All decodes in one SDPA call over their gathered blocks (padding masked out).
         start = batch.num_prefill_tokens
-        tables, lens = batch.decode_block_tables, batch.decode_ctx_lens
-        b = tables.shape[0]
-        kd = cache[0][tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # (B, kvH, L, D)
-        vd = cache[1][tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        mask = (torch.arange(kd.shape[2]).unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, -1)
-        qd = q[start:].unsqueeze(2)  # (B, H, 1, D)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
-        out[start:] = o.squeeze(2)
+        tables = batch.decode_block_tables
+        b, kvh, hd = tables.shape[0], cache.shape[-2], cache.shape[-1]
+        kv = cache[:, tables].flatten(2, 3).transpose(2, 3).to(q.dtype)  # (2, B, kvH, L, D)
+        if batch.grouped_decode:
+            # The query heads sharing a KV head ride together as that head's query rows:
+            # several times faster on CPU, but the kernel then rounds some outputs 1 ulp
+            # differently from one-row-per-head SDPA (what transformers runs).
+            qd = q[start:].view(b, kvh, -1, hd)
+            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask)
+        else:
+            qd = q[start:].unsqueeze(2)  # (B, H, 1, D): bitwise what transformers computes
+            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask,
+                                               enable_gqa=True)
+        out[start:] = o.reshape(b, -1, hd)
     return out

@@ -42,12 +42,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget
     max_waiting: int = 256  # bounded queue; past it the server answers 429
     threads: int | None = None
+    # Decode attention kernel: "exact" computes what transformers computes, bit for bit;
+    # "grouped" is faster on CPU at large batch but may round differently (see attention.py).
+    attention: str = "exact"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
+        if self.attention not in ("exact", "grouped"):
+            raise ValueError(f"attention must be 'exact' or 'grouped', got {self.attention!r}")
         if self.kv_cache_memory_mb < 1:
             raise ValueError("kv_cache_memory_mb must be positive")
 
@@ -91,7 +96,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, max_repeats=1,
         ))
-        self.runner = ModelRunner(self.model, self.kv, self.dtype)
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._ids = itertools.count()
         self._by_int: dict[int, _Tracked] = {}
         self._by_str: dict[str, _Tracked] = {}

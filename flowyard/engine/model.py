@@ -33,10 +33,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for this step's positions, in the model dtype (once per forward)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -119,12 +122,13 @@ class CausalLM(nn.Module):
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed(input_ids)
         residual = h
+        cos, sin = self.rope.tables(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             x = self._rms(residual, layer.input_norm)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = self.rope(q.reshape(-1, nh, hd), positions)
-            k = self.rope(k.reshape(-1, nkv, hd), positions)
+            q = self.rope.apply(q.reshape(-1, nh, hd), cos, sin)
+            k = self.rope.apply(k.reshape(-1, nkv, hd), cos, sin)
             v = v.reshape(-1, nkv, hd)
             yield i, "qkv_proj"
             write_kv(kv_cache[i], k, v, attn.slot_mapping)

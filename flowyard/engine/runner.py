@@ -25,11 +25,13 @@ def seq_tokens(st: RequestState, start: int, n: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCacheManager, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, dtype: torch.dtype,
+                 grouped_decode: bool = False) -> None:
         cfg = model.cfg
         self.model = model
         self.kv = kv
         self.bs = kv.block_size
+        self.grouped_decode = grouped_decode
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype
         )
@@ -60,7 +62,8 @@ class ModelRunner:
                 samplers.append(s.state)
         num_prefill = len(ids)
         batch = AttentionBatch(slot_mapping=torch.empty(0), sample_rows=torch.empty(0),
-                               prefills=prefills, num_prefill_tokens=num_prefill)
+                               prefills=prefills, num_prefill_tokens=num_prefill,
+                               grouped_decode=self.grouped_decode)
         if plan.decodes:
             tables, lens = [], []
             for d in plan.decodes:
@@ -76,6 +79,7 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             batch.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
             batch.decode_ctx_lens = torch.tensor(lens, dtype=torch.long)
+        batch.finalize(self.bs)
         batch.slot_mapping = torch.tensor(slots, dtype=torch.long)
         batch.sample_rows = torch.tensor(sample_rows, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), batch, samplers

@@ -22,6 +22,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget")
     p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests get 429")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention", default="exact", choices=["exact", "grouped"],
+                   help="decode attention: exact (bitwise transformers) or grouped (faster at large batch)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
@@ -41,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        threads=args.threads,
+        threads=args.threads, attention=args.attention,
     )
     print(f"flowyard: loading {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}) ...",
           file=sys.stderr, flush=True)
