@@ -58,6 +58,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=_positive_int, default=None,
                    help="override the policy's prefill chunk / token budget")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--profile", default=None, metavar="PATH",
+                   help="cost model from `flowyard profile` (emulates that engine) instead of the roofline")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse KV of shared prefixes (Mooncake hash_ids, multi-turn history)")
     g.add_argument("--seed", type=int, default=0)
@@ -74,7 +76,7 @@ def _config(args: argparse.Namespace, policy: str):
         rate=args.rate, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo,
         ttft_slo_by_length=args.ttft_slo_by_length, seed=args.seed,
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
-        prefix_caching=args.enable_prefix_caching,
+        prefix_caching=args.enable_prefix_caching, profile=args.profile,
     )
 
 
@@ -83,7 +85,8 @@ def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
     from flowyard.costmodel import get_hardware, get_model
     from flowyard.policies.registry import build_policy, PolicyOptions
 
-    get_model(args.model)
+    if args.profile is None:
+        get_model(args.model)
     get_hardware(args.hardware)
     for p in policies:
         build_policy(p, PolicyOptions(num_instances=args.instances, num_prefill=args.prefill_instances))
@@ -189,10 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
     g.set_defaults(func=cmd_goodput)
     from flowyard.bench.cli_bench import add_bench_parser
+    from flowyard.engine.cli_profile import add_profile_parser
     from flowyard.server.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_profile_parser(sub)
     return parser
 
 

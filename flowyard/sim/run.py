@@ -58,6 +58,7 @@ class SimConfig:
     max_num_seqs: int = 256
     block_size: int = 16
     prefix_caching: bool = False
+    profile: str | None = None  # a `flowyard profile` JSON: emulate that engine
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -94,6 +95,10 @@ def load_workload(cfg: SimConfig) -> Workload:
 
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
+    if cfg.profile is not None:
+        from flowyard.costmodel.profiled import ProfiledCostModel
+
+        return ProfiledCostModel(cfg.profile)
     return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp)
 
 

@@ -1,0 +1,103 @@
+"""A cost model fitted to `flowyard profile` measurements of the real engine.
+
+Each operator gets a small linear form in the features of a `BatchShape` that drive its cost:
+
+  qkv_proj, o_proj, gate_up_proj, down_proj:  a + b * tokens          (GEMMs + fused elementwise)
+  attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
+  other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
+
+fitted by non-negative least squares on relative error (so 16-token and 2,048-token shapes
+count alike). The simulator then emulates this engine on this machine: `flowyard simulate
+--profile PATH`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.base import LAYER_OPS, CostModel, Seconds
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def _features(op: str, s: BatchShape) -> list:
+    one = 1.0 + 0.0 * np.asarray(s.decode_ctx, dtype=float)  # broadcast to the run's shape
+    if op == "attn":
+        return [one, one * s.prefill_seqs, one * s.prefill_attn, one * s.prefill_kv, one * s.decode_seqs,
+                s.decode_ctx * one]
+    if op == "step_other":
+        return [one, one * s.tokens, one * (s.prefill_seqs + s.decode_seqs)]
+    return [one, one * s.tokens]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with x >= 0 by dropping the most negative coefficient until none is left
+    (enough for the handful of features here)."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            return x
+        active.pop(int(np.argmin(sol)))
+    return x
+
+
+class ProfiledCostModel(CostModel):
+    def __init__(self, profile: dict | str | Path, kv_capacity_tokens: int | None = None) -> None:
+        if not isinstance(profile, dict):
+            path = Path(profile)
+            try:
+                profile = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ProfileError(f"profile {str(path)!r} does not exist (make one with `flowyard profile`)") from None
+            except (OSError, ValueError) as e:
+                raise ProfileError(f"profile {str(path)!r} is not a readable JSON profile: {e}") from None
+        try:
+            self.num_layers = int(profile["num_layers"])
+            self._kv_bytes = int(profile["kv_bytes_per_token"])
+            samples = profile["samples"]
+            shapes = [BatchShape(**s["shape"]) for s in samples]
+            times = {op: np.array([s["times"][op] for s in samples]) for op in (*LAYER_OPS, "step_other")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"profile is missing or has a malformed field: {e!r}") from None
+        if len(shapes) < 4:
+            raise ProfileError("profile has too few samples to fit (need at least 4)")
+        self.name = profile.get("model", "profile")
+        self.machine = profile.get("machine", {})
+        self._capacity = kv_capacity_tokens or int(profile.get("kv_capacity_tokens", 16384))
+        self.coef: dict[str, np.ndarray] = {}
+        for op, t in times.items():
+            x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
+            w = 1.0 / np.maximum(t, 1e-6)
+            self.coef[op] = nnls(x * w[:, None], t * w)
+        self.fit_error = {op: self._rel_error(op, shapes, t) for op, t in times.items()}
+
+    def _rel_error(self, op: str, shapes: list[BatchShape], t: np.ndarray) -> float:
+        pred = np.array([self._op(op, s) for s in shapes], dtype=float)
+        return float(np.median(np.abs(pred - t) / np.maximum(t, 1e-9)))
+
+    def _op(self, op: str, shape: BatchShape) -> Seconds:
+        total: Seconds = 0.0
+        for c, f in zip(self.coef[op], _features(op, shape)):
+            total = total + c * f
+        return total
+
+    def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
+        return {op: self._op(op, shape) for op in LAYER_OPS}
+
+    def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
+        return {"overhead": self._op("step_other", shape)}
+
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes
+
+    def kv_capacity_tokens(self) -> int:
+        return self._capacity

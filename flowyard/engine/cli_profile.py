@@ -1,0 +1,45 @@
+"""`flowyard profile`: measure this engine's operator times into a profile for the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the engine's per-operator times into a profile")
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median kept)")
+    p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB",
+                   help="KV cache the profiled instance would have (its simulated capacity)")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from flowyard.costmodel.profiled import ProfiledCostModel
+    from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+    from flowyard.engine.profiler import default_grid, run_profile, save_profile
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    engine = LLMEngine.from_path(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory))
+    grid = default_grid(quick=args.quick)
+    print(f"flowyard: profiling {engine.model_name} ({args.dtype}) over {len(grid)} batch shapes ...",
+          file=sys.stderr)
+    progress = (lambda i, n: print(f"  {i}/{n}", file=sys.stderr, end="\r")) if sys.stderr.isatty() else None
+    prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size, grid=grid,
+                       repeats=args.repeats, name=engine.model_name, progress=progress)
+    prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
+    save_profile(prof, args.out)
+    fit = ProfiledCostModel(prof)
+    print(f"{'operator':<14} {'median |rel. error| of the fit':>32}")
+    for op, err in fit.fit_error.items():
+        print(f"{op:<14} {err:>31.1%}")
+    del torch
+    print(f"wrote {args.out}; use it with: flowyard simulate --profile {args.out} ...")
+    return 0

@@ -1,0 +1,80 @@
+"""`flowyard profile` → ProfiledCostModel → `flowyard simulate --profile`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers_models import make_tiny_model
+from flowyard.cli import main
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.base import LAYER_OPS
+from flowyard.costmodel.profiled import ProfiledCostModel, ProfileError, nnls
+from flowyard.engine.loader import load_checkpoint
+from flowyard.engine.model import CausalLM
+from flowyard.engine.profiler import GridPoint, default_grid, run_profile, save_profile
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    pytest.importorskip("transformers")
+    d, _ = make_tiny_model(tmp_path_factory.mktemp("p"), "llama")
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    prof = run_profile(model, dtype=torch.float32, grid=default_grid(quick=True), repeats=2, name="tiny")
+    path = tmp_path_factory.mktemp("out") / "profile.json"
+    save_profile(prof, path)
+    return prof, path
+
+
+def test_profile_has_every_operator_for_every_shape(profile):
+    prof, _ = profile
+    assert prof["num_layers"] == 2 and prof["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    for s in prof["samples"]:
+        assert set(s["times"]) == {*LAYER_OPS, "step_other"}
+        assert all(t >= 0 for t in s["times"].values())
+
+
+def test_fitted_model_is_monotone_and_vectorised(profile):
+    _, path = profile
+    cm = ProfiledCostModel(path)
+    small, big = BatchShape.of([(0, 64)], []), BatchShape.of([(0, 1024)], [])
+    assert cm.step_time(big) > cm.step_time(small) > 0
+    run = BatchShape(decode_seqs=8, decode_ctx=torch.arange(4).numpy() * 8.0 + 800)
+    times = cm.step_time(run)
+    assert times.shape == (4,) and (times > 0).all()
+    assert cm.kv_bytes_per_token() == 512
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    a = torch.tensor([[1.0, 1], [1, 2], [1, 3]]).numpy()
+    x = nnls(a, torch.tensor([3.0, 2.0, 1.0]).numpy())  # true slope is negative
+    assert (x >= 0).all()
+
+
+def test_simulate_with_profile_and_bad_profiles(profile, tmp_path, capsys):
+    _, path = profile
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--profile", str(path), "--trace", "azure-conv", "--num-requests", "40",
+            "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["completed"] == 40
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["simulate", "--profile", str(bad), "--num-requests", "5", "--quiet"]) == 2
+    assert "not a readable JSON profile" in capsys.readouterr().err
+    with pytest.raises(ProfileError, match="does not exist"):
+        ProfiledCostModel(tmp_path / "missing.json")
+    with pytest.raises(ProfileError, match="missing"):
+        ProfiledCostModel({"num_layers": 2})
+
+
+def test_grid_points_cover_prefill_decode_and_mixed():
+    grid = default_grid()
+    assert any(p.prefill and not p.decode for p in grid)
+    assert any(p.decode and not p.prefill for p in grid)
+    assert any(p.decode and p.prefill for p in grid)
+    assert GridPoint().prefill == []
