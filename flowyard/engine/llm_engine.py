@@ -165,6 +165,7 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule(self.now())
         if plan is None:

@@ -1,0 +1,153 @@
+"""Engine speed on the CPU with the embedded SmolLM2-135M-Instruct, against transformers run in
+the same process and the published numbers quoted in issue 3.
+
+Measures, each as the best of --repeat runs (the VM is noisy):
+  single-stream decode tok/s   (30-token prompt, 128 greedy tokens, EOS ignored)
+  32-stream output tok/s       (32 prompts of 64 tokens, 128 tokens each, prefill included)
+  1,000-token prefill tok/s    (time to the first token of one 1,000-token prompt)
+  peak RSS of `flowyard serve` (default model and settings, after a few requests)
+Run: python benchmarks/engine_cpu.py [--repeat 2] [--skip-rss]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from flowyard.engine.embedded import embedded_model_path
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.loader import load_checkpoint
+from flowyard.engine.model import CausalLM
+from flowyard.engine.sampling import SamplingParams
+
+# Issue 3's reference figures (tokens/s, 2-core AVX-512 machine of the CI kind).
+PUBLISHED = {
+    "single": {"vLLM CPU": 18.0, "llama.cpp Q4_1": 67.0},
+    "streams32": {"vLLM CPU fp32": 195.0, "vLLM CPU bf16": 303.0},
+    "prefill": {"vLLM CPU fp32": 323.0, "vLLM CPU bf16": 556.0, "llama.cpp Q4_1": 179.0},
+}
+TARGETS = {"single": "3x transformers", "streams32": 400.0, "prefill": 560.0}
+
+
+def best(fn, repeat: int) -> float:
+    return max(fn() for _ in range(repeat))
+
+
+def ours(dtype: str, attention: str, repeat: int) -> dict[str, float]:
+    engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, attention=attention, kv_cache_memory_mb=512))
+    prompt = list(range(1000, 1030))
+    engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))  # warm up
+
+    def single() -> float:
+        engine.add_request("s", prompt, SamplingParams(max_tokens=129, temperature=0, ignore_eos=True))
+        engine.step()  # prefill + first token
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return 128 / (time.perf_counter() - t)
+
+    def streams() -> float:
+        prompts = [[(i * 131 + j) % 40000 + 100 for j in range(64)] for i in range(32)]
+        t = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+        return sum(o.completion_tokens for o in outs) / (time.perf_counter() - t)
+
+    # A fresh engine without prefix caching, so every repeat really prefills.
+    engine_nc = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
+        dtype=dtype, attention=attention, enable_prefix_caching=False, kv_cache_memory_mb=64))
+
+    def prefill() -> float:
+        long = [(i * 7) % 40000 + 100 for i in range(1000)]
+        t = time.perf_counter()
+        engine_nc.generate([long], SamplingParams(max_tokens=1, temperature=0))
+        return 1000 / (time.perf_counter() - t)
+
+    return {"single": best(single, repeat), "streams32": best(streams, repeat), "prefill": best(prefill, repeat)}
+
+
+def transformers_single(dtype: torch.dtype, repeat: int) -> float:
+    import transformers
+
+    ckpt = load_checkpoint(embedded_model_path())
+    c = ckpt.config
+    cfg = transformers.LlamaConfig(
+        hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.load_state_dict(ckpt.weights, strict=False)
+    hf.tie_weights()
+    hf = hf.to(dtype)
+    hf.model.rotary_emb.inv_freq = hf.model.rotary_emb.inv_freq.float()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    ids = torch.tensor([list(range(1000, 1030))])
+    hf.generate(ids, max_new_tokens=4, do_sample=False)
+
+    def run() -> float:
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=128, do_sample=False)
+        return 128 / (time.perf_counter() - t)
+
+    return best(run, repeat)
+
+
+def serve_peak_rss_mib() -> float:
+    """Start `flowyard serve` with defaults, send a few requests, read VmHWM."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "flowyard.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        for q in ("Hello!", "Write a short poem about the sea.", "What is 2+2?"):
+            httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                       json={"messages": [{"role": "user", "content": q}], "max_tokens": 64})
+        status = open(f"/proc/{proc.pid}/status").read()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) / 1024
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--skip-rss", action="store_true")
+    args = ap.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads")
+    hf32 = transformers_single(torch.float32, args.repeat)
+    hf16 = transformers_single(torch.bfloat16, args.repeat)
+    print(f"transformers generate single-stream: float32 {hf32:.1f} tok/s, bfloat16 {hf16:.1f} tok/s")
+    rows = [("float32", "exact"), ("bfloat16", "exact"), ("bfloat16", "grouped")]
+    print(f"\n{'flowyard config':<20} {'single tok/s':>12} {'x hf fp32':>9} {'32-stream tok/s':>15} "
+          f"{'1k prefill tok/s':>16}")
+    for dtype, attn in rows:
+        r = ours(dtype, attn, args.repeat)
+        print(f"{dtype + '/' + attn:<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
+              f"{r['streams32']:>15.1f} {r['prefill']:>16.1f}")
+    print(f"\ntargets: single >= 3x transformers (here {3 * hf32:.1f}) and > vLLM CPU 17-19; "
+          f"32 streams >= {TARGETS['streams32']:.0f}; prefill >= {TARGETS['prefill']:.0f}; serve RSS < 1536 MiB")
+    print("published (issue 3, CI-kind machine):", PUBLISHED)
+    if not args.skip_rss:
+        print(f"peak RSS of `flowyard serve` (defaults, float32): {serve_peak_rss_mib():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
