@@ -60,7 +60,7 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
 ) -> torch.Tensor:
     """q: (T, heads, head_dim); k, v: this step's (T, kv_heads, head_dim). Returns (T, heads, hd)."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if batch.prefills else None
     for s in batch.prefills:
         rows = slice(s.row, s.row + s.n)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
@@ -93,5 +93,7 @@ def paged_attention(
             qd = q[start:].unsqueeze(2)  # (B, H, 1, D): bitwise what transformers computes
             o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask,
                                                enable_gqa=True)
+        if out is None:
+            return o.reshape(b, -1, hd)
         out[start:] = o.reshape(b, -1, hd)
     return out

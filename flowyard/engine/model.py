@@ -126,10 +126,10 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = self._rms(residual, layer.input_norm)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = self.rope.apply(q.reshape(-1, nh, hd), cos, sin)
-            k = self.rope.apply(k.reshape(-1, nkv, hd), cos, sin)
-            v = v.reshape(-1, nkv, hd)
+            # RoPE on q and k in one go: they are adjacent heads of the fused projection.
+            qk = self.rope.apply(qkv[:, : layer.q_size + layer.kv_size].view(-1, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, layer.q_size + layer.kv_size:].view(-1, nkv, hd)
             yield i, "qkv_proj"
             write_kv(kv_cache[i], k, v, attn.slot_mapping)
             o = paged_attention(q, k, v, kv_cache[i], attn)
