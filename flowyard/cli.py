@@ -7,6 +7,8 @@ import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
+from flowyard.cliargs import positive_float, positive_int
+
 EXIT_USAGE = 2
 
 
@@ -14,50 +16,30 @@ class UsageError(Exception):
     """A bad name or flag value: printed as one line, exit code 2."""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
 def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload and cluster")
     g.add_argument("--trace", default="azure-conv", help="bundled trace name or a trace file path")
     g.add_argument("--model", default="llama-3-8b", help="catalog model name or a config.json path")
     g.add_argument("--hardware", default="h100", help="GPU type (a100-40g, h100, ...)")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree per instance")
-    g.add_argument("--instances", type=_positive_int, default=1, help="number of instances")
-    g.add_argument("--prefill-instances", type=_positive_int, default=None,
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree per instance")
+    g.add_argument("--instances", type=positive_int, default=1, help="number of instances")
+    g.add_argument("--prefill-instances", type=positive_int, default=None,
                    help="prefill instances of static PD splits (default: half)")
-    g.add_argument("--rate-scale", type=_positive_float, default=1.0,
+    g.add_argument("--rate-scale", type=positive_float, default=1.0,
                    help="multiply the request rate (timestamps x 1/scale)")
-    g.add_argument("--duration", type=_positive_float, default=None,
+    g.add_argument("--duration", type=positive_float, default=None,
                    help="replay only the first DURATION seconds of the trace")
-    g.add_argument("--num-requests", type=_positive_int, default=None,
+    g.add_argument("--num-requests", type=positive_int, default=None,
                    help="replay at most N requests (length-only traces: generate N)")
-    g.add_argument("--rate", type=_positive_float, default=None,
+    g.add_argument("--rate", type=positive_float, default=None,
                    help="arrival rate (req/s) for length-only traces (sharegpt, arxiv)")
-    g.add_argument("--ttft-slo", type=_positive_float, default=None, help="TTFT SLO in seconds")
-    g.add_argument("--tpot-slo", type=_positive_float, default=None, help="TPOT SLO in seconds")
+    g.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO in seconds")
+    g.add_argument("--tpot-slo", type=positive_float, default=None, help="TPOT SLO in seconds")
     g.add_argument("--ttft-slo-by-length", default=None, metavar="L1:S1,L2:S2",
                    help="TTFT SLO S_i for prompts of at least L_i tokens")
-    g.add_argument("--chunk-size", type=_positive_int, default=None,
+    g.add_argument("--chunk-size", type=positive_int, default=None,
                    help="override the policy's prefill chunk / token budget")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--profile", default=None, metavar="PATH",
                    help="cost model from `flowyard profile` (emulates that engine) instead of the roofline")
     g.add_argument("--enable-prefix-caching", action="store_true",
@@ -184,10 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("goodput", help="search the goodput of several policies on one workload")
     _add_workload_flags(g)
     g.add_argument("--policies", default="vllm,distserve", help="comma-separated policy names")
-    g.add_argument("--target", type=_positive_float, default=0.9, help="attainment target")
-    g.add_argument("--scale-lo", type=_positive_float, default=0.25, help="lowest rate scale tried")
-    g.add_argument("--scale-hi", type=_positive_float, default=4.0, help="first upper rate scale")
-    g.add_argument("--tol", type=_positive_float, default=0.05, help="relative search tolerance")
+    g.add_argument("--target", type=positive_float, default=0.9, help="attainment target")
+    g.add_argument("--scale-lo", type=positive_float, default=0.25, help="lowest rate scale tried")
+    g.add_argument("--scale-hi", type=positive_float, default=4.0, help="first upper rate scale")
+    g.add_argument("--tol", type=positive_float, default=0.05, help="relative search tolerance")
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
     g.set_defaults(func=cmd_goodput)

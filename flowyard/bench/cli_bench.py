@@ -13,44 +13,17 @@ server that is down or a failed run exits 1. Nothing here prints a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
+
+from flowyard.cliargs import positive_float, positive_int, rate
 
 if TYPE_CHECKING:
     from flowyard.bench.serve_bench import BenchResult
 
 EXIT_USAGE = 2
 DEFAULT_PROMPTS = 1000  # vLLM's --num-prompts default, used when neither a count nor a duration is given
-
-
-def _number(text: str, *, allow_inf: bool = False) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(v) or not v > 0 or (math.isinf(v) and not allow_inf):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def _positive(text: str) -> float:
-    return _number(text)
-
-
-def _rate(text: str) -> float:
-    return _number(text, allow_inf=True)
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
 
 
 def _slo(text: str) -> str:
@@ -76,26 +49,26 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="/v1/chat/completions or /v1/completions")
     s.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
     s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    s.add_argument("--timeout", type=_positive, default=300.0,
+    s.add_argument("--timeout", type=positive_float, default=300.0,
                    help="per-request deadline in seconds, connection to last token")
     s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos/min_tokens (for servers that reject them)")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default="azure-conv", help="bundled trace name or a trace file path")
-    w.add_argument("--num-prompts", type=_count, default=None,
+    w.add_argument("--num-prompts", type=positive_int, default=None,
                    help=f"send the first N requests (default {DEFAULT_PROMPTS} unless --duration)")
-    w.add_argument("--duration", type=_positive, default=None,
+    w.add_argument("--duration", type=positive_float, default=None,
                    help="send only the requests of the trace's first DURATION seconds")
-    w.add_argument("--rate-scale", type=_positive, default=1.0,
+    w.add_argument("--rate-scale", type=positive_float, default=1.0,
                    help="multiply the trace's rate (timestamps x 1/scale)")
-    w.add_argument("--request-rate", type=_rate, default=None,
+    w.add_argument("--request-rate", type=rate, default=None,
                    help="re-time as Poisson/Gamma at this req/s; inf = all at once "
                         "(default: the trace's own timestamps)")
-    w.add_argument("--burstiness", type=_positive, default=1.0,
+    w.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="Gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 smoother")
-    w.add_argument("--max-concurrency", type=_count, default=None, help="most requests in flight")
-    w.add_argument("--max-input-len", type=_count, default=None, help="cap prompt lengths (tokens)")
-    w.add_argument("--max-output-len", type=_count, default=None, help="cap output lengths (tokens)")
+    w.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight")
+    w.add_argument("--max-input-len", type=positive_int, default=None, help="cap prompt lengths (tokens)")
+    w.add_argument("--max-output-len", type=positive_int, default=None, help="cap output lengths (tokens)")
     w.add_argument("--seed", type=int, default=0, help="seed for arrivals and prompt words")
     o = p.add_argument_group("results")
     o.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="NAME:MS",

@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -287,14 +287,9 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
     return BenchResult(summary, states, outputs, duration, model, good, slos, config)
 
 
-def run_bench(base_url: str, workload: Workload, *, endpoint: str = "chat",
-              model: str | None = None, api_key: str | None = None,
-              max_concurrency: int | None = None, request_rate: float | None = None,
-              burstiness: float = 1.0, goodput: str | Sequence[str] | Mapping[str, float] | None = None,
-              timeout: float = 300.0, num_prompts: int | None = None, seed: int = 0,
-              ignore_eos: bool = True, calibrate_prompts: bool = True,
-              progress: Progress | None = None) -> BenchResult:
-    """Load-test the OpenAI-compatible server at `base_url` with `workload`.
+def run_bench(base_url: str, workload: Workload, **options: Any) -> BenchResult:
+    """Load-test the OpenAI-compatible server at `base_url` with `workload` (options: those of
+    `arun_bench`).
 
     endpoint: "chat" or "completions"; model: default first of GET /v1/models; request_rate:
     None keeps the workload's arrivals, inf sends all at once, else Poisson/Gamma(burstiness);
@@ -302,11 +297,7 @@ def run_bench(base_url: str, workload: Workload, *, endpoint: str = "chat",
     deadline in s, so the call returns by itself; calibrate_prompts: fit prompt lengths to the
     server's token counts first. Raises BenchError when the server is unreachable or its first
     test request fails, ValueError for bad options."""
-    return asyncio.run(arun_bench(
-        base_url, workload, endpoint=endpoint, model=model, api_key=api_key,
-        max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness,
-        goodput=goodput, timeout=timeout, num_prompts=num_prompts, seed=seed,
-        ignore_eos=ignore_eos, calibrate_prompts=calibrate_prompts, progress=progress))
+    return asyncio.run(arun_bench(base_url, workload, **options))
 
 
 __all__ = ["BenchResult", "ENDPOINTS", "GOODPUT_METRICS", "arun_bench", "parse_goodput",
