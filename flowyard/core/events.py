@@ -17,3 +17,4 @@ class EventKind(enum.IntEnum):
     KV_DONE = 2  # a KV transfer landed (payload: state, src, dst)
     PREEMPT_ACK = 3  # a running prefill stopped at an operator boundary (FlowPrefill)
     TIMER = 4  # a periodic controller tick or a batching window closes
+    SCHEDULE = 5  # an idle instance picks its next step, after every other event of this instant

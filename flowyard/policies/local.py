@@ -60,11 +60,13 @@ class BatchScheduler(LocalScheduler):
 
     # -- queue -----------------------------------------------------------------------------
     def _key(self, st: RequestState) -> tuple[float, ...]:
+        """Queue order. Ties on time break by request id (ids grow with arrival order in both
+        executors), so a preempted request goes back ahead of later arrivals, as in vLLM."""
         req = st.req
         if self.config.order == "edf":
             deadline = req.arrival + req.slo.ttft if req.slo.ttft is not None else INF
-            return (deadline, req.arrival)
-        return (req.arrival,)
+            return (deadline, req.arrival, req.id)
+        return (req.arrival, req.id)
 
     def _push_waiting(self, st: RequestState) -> None:
         heapq.heappush(self._waiting, (self._key(st), next(self._seq), st, st.uncomputed))

@@ -35,6 +35,7 @@ from flowyard.policies.registry import Policy
 from flowyard.sim.cluster import Topology
 
 ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
+SCHEDULE = int(EventKind.SCHEDULE)
 
 
 class SimulationError(RuntimeError):
@@ -44,7 +45,7 @@ class SimulationError(RuntimeError):
 class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
-    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s")
+    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -53,6 +54,7 @@ class SimInstance:
         self.ends: np.ndarray = np.empty(0)
         self.version = 0
         self.busy_s = 0.0
+        self.wake_pending = False
 
 
 @dataclass
@@ -152,6 +154,9 @@ class Simulator:
                 inst, version = payload  # type: ignore[misc]
                 if version == inst.version:
                     self._complete(inst, len(inst.ends))
+            elif kind == SCHEDULE:
+                payload.wake_pending = False  # type: ignore[attr-defined]
+                self._start_step(payload)  # type: ignore[arg-type]
             elif kind == ARRIVAL:
                 nxt += 1
                 if nxt < len(pending):
@@ -239,8 +244,16 @@ class Simulator:
         return True
 
     def _kick(self, inst: SimInstance) -> None:
-        """Something reached `inst`: start a step if idle, or cut a multi-step run short."""
-        if self._interrupt(inst):
+        """Something reached `inst`: if idle, it schedules once every event of this instant has
+        been applied (as an engine drains its input queue before a step); if in a multi-step
+        run, the run is cut short."""
+        if self._interrupt(inst) or inst.wake_pending:
+            return
+        inst.wake_pending = True
+        self._push(self.now, SCHEDULE, inst)
+
+    def _start_step(self, inst: SimInstance) -> None:
+        if inst.plan is not None:
             return
         plan = inst.sched.schedule(self.now)
         if plan is None:
