@@ -9,9 +9,11 @@ executor does with a cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -76,7 +78,11 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 name: str = "model") -> None:
+                 name: str = "model", *, instance: int = 0, role: Role = Role.MIXED,
+                 batch: BatchConfig | None = None, ids: Iterator[int] | None = None,
+                 t0: float | None = None) -> None:
+        """instance/role/batch: this engine's place in a cluster and its policy's local
+        scheduler settings; ids/t0: request-id counter and clock origin shared by a cluster."""
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -92,15 +98,18 @@ class LLMEngine:
         self.kv = kv_cls(num_blocks, config.block_size)
         ctx = model.cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or ctx, ctx, num_blocks * config.block_size)
-        self.scheduler = BatchScheduler(0, Role.MIXED, self.kv, BatchConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, max_repeats=1,
-        ))
+        base = batch or BatchConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_num_seqs=config.max_num_seqs)
+        # One step at a time: a real executor never takes up a multi-step run promise.
+        self.scheduler = BatchScheduler(instance, role, self.kv, dataclasses.replace(
+            base, max_model_len=self.max_model_len, max_repeats=1))
+        self.instance = instance
+        self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
-        self._ids = itertools.count()
+        self._ids = ids if ids is not None else itertools.count()
         self._by_int: dict[int, _Tracked] = {}
         self._by_str: dict[str, _Tracked] = {}
-        self._t0 = time.monotonic()
+        self._t0 = t0 if t0 is not None else time.monotonic()
         self.eos = tuple(tokenizer.eos_token_ids)
 
     @classmethod
@@ -184,6 +193,7 @@ class LLMEngine:
         out = StepOutput(end_times=np.array([self.now()]), sampled={t.state.id: [tok] for t, tok in zip(tracked, tokens)},
                          stopped=frozenset(stopped))
         result = self.scheduler.update_from_output(plan, out)
+        self.handoffs.extend(result.handoffs)
         finished = {s.id for s in result.finished}
         outputs = []
         for t in tracked:

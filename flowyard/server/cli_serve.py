@@ -24,6 +24,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention", default="exact", choices=["exact", "grouped"],
                    help="decode attention: exact (bitwise transformers) or grouped (faster at large batch)")
+    p.add_argument("--instances", type=int, default=1, help="engine instances in this process")
+    p.add_argument("--policy", default="vllm",
+                   help="scheduling policy across instances (vllm, round-robin, least-load, distserve, ...)")
+    p.add_argument("--prefill-instances", type=int, default=None, help="prefill instances of PD policies")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
@@ -36,6 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flowyard.engine.llm_engine import EngineConfig, LLMEngine
     from flowyard.server.app import build_app
 
+    if args.instances < 1:
+        raise ValueError(f"--instances must be at least 1, got {args.instances}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -48,11 +54,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"flowyard: loading {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}) ...",
           file=sys.stderr, flush=True)
     engine = LLMEngine.from_path(args.model, config)
+    if args.instances > 1 or args.policy != "vllm":
+        from flowyard.policies.registry import PolicyOptions, build_policy
+        from flowyard.runtime.cluster import LocalCluster
+
+        policy = build_policy(args.policy, PolicyOptions(
+            num_instances=args.instances, num_prefill=args.prefill_instances,
+            chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
+        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name)
+        print(f"flowyard: {args.instances} instance(s) in this process, policy {policy.name} "
+              f"(roles: {', '.join(r.value for r in policy.roles)})", file=sys.stderr)
     client = AsyncLLMEngine(engine)
     app = build_app(client, api_key=args.api_key, served_model_name=args.served_model_name)
     name = args.served_model_name or engine.model_name
     print(f"flowyard: serving {name!r} on http://{args.host}:{args.port}/v1 "
-          f"(max_model_len {engine.max_model_len}, KV {engine.kv.capacity_tokens} tokens)",
+          f"(max_model_len {engine.max_model_len})",
           file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,142 @@
+"""Several engine instances in one process, under one policy: the real-clock cluster.
+
+The policy is the very object the simulator runs (`flowyard.policies.registry.build_policy`):
+its global scheduler routes each request and, for PD disaggregation, picks the decode
+instance when a prefill finishes; each instance's local scheduler is the policy's
+`BatchScheduler` for its role. KV moves between instances by block range (an in-process copy
+here; the interface is the same for a transport between processes).
+
+`LocalCluster` has the surface `AsyncLLMEngine` drives (add_request, abort, step,
+has_unfinished, ...), so the OpenAI server serves a cluster exactly as it serves one engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from flowyard.core.kvcache import cdiv
+from flowyard.core.request import SLO, NO_SLO, Request, RequestState
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.model import CausalLM
+from flowyard.engine.sampling import RequestOutput, SamplingParams
+from flowyard.engine.tokenizer import Tokenizer
+from flowyard.policies.base import InstanceSnapshot, Role
+from flowyard.policies.registry import Policy
+
+
+@dataclass
+class _KVUsage:
+    """What /metrics and /health read as `kv.usage` and `kv.hit_rate` for the whole cluster."""
+
+    usage: float
+    hit_rate: float
+
+
+class LocalCluster:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, policy: Policy,
+                 config: EngineConfig = EngineConfig(), name: str = "model") -> None:
+        ids, t0 = itertools.count(), time.monotonic()
+        self.policy = policy
+        self.config = config
+        self.model_name = name
+        self.tokenizer = tokenizer
+        self.engines = [
+            LLMEngine(model, tokenizer, config, name, instance=i, role=role,
+                      batch=policy.configs[role], ids=ids, t0=t0)
+            for i, role in enumerate(policy.roles)
+        ]
+        self.max_model_len = min(e.max_model_len for e in self.engines)
+        self._where: dict[str, int] = {}  # request id -> instance that tracks it
+        self._kv_home: dict[int, int] = {}  # migrating request (int id) -> instance holding its KV
+        self.migrations = 0
+
+    # -- ClusterView for the global scheduler ------------------------------------------------
+    def instances(self, role: Role | None = None) -> list[int]:
+        return [e.instance for e in self.engines if role is None or e.scheduler.role is role]
+
+    def snapshot(self, instance: int) -> InstanceSnapshot:
+        return self.engines[instance].scheduler.snapshot()
+
+    # -- the engine surface ---------------------------------------------------------------------
+    def now(self) -> float:
+        return self.engines[0].now()
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    slo: SLO | None = None) -> None:
+        if request_id in self._where:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        probe = Request(id=-1, arrival=self.now(), prompt_len=max(1, len(prompt_ids)),
+                        max_tokens=params.max_tokens, slo=slo or NO_SLO)
+        dst = self.policy.global_scheduler.route(probe, self, self.now())
+        if dst is None:
+            raise ValueError("no instance can take this request now")
+        self.engines[dst].add_request(request_id, prompt_ids, params, slo)
+        self._where[request_id] = dst
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        where = self._where.pop(request_id, None)
+        if where is None:
+            return None
+        engine = self.engines[where]
+        tracked = engine._by_str.get(request_id)
+        if tracked is not None and tracked.state.id in self._kv_home:  # KV still at the source
+            self.engines[self._kv_home.pop(tracked.state.id)].scheduler.abort(tracked.state.id)
+        return engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def kv(self) -> _KVUsage:
+        hit = [getattr(e.kv, "hit_rate", 0.0) for e in self.engines]
+        return _KVUsage(sum(e.kv.usage for e in self.engines) / len(self.engines), sum(hit) / len(hit))
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every instance that has work, then the hand-offs it produced."""
+        outputs: list[RequestOutput] = []
+        for engine in self.engines:
+            if not engine.has_unfinished():
+                continue
+            outputs += engine.step()
+            for out in outputs:
+                if out.finished:
+                    self._where.pop(out.request_id, None)
+            handoffs, engine.handoffs = engine.handoffs, []
+            for st in handoffs:
+                self._hand_off(engine, st)
+            self._admit(engine)
+        return outputs
+
+    # -- KV migration ---------------------------------------------------------------------------
+    def _hand_off(self, src: LLMEngine, st: RequestState) -> None:
+        """A prefill finished on `src`: the request continues on the decode instance the
+        global scheduler picks; its KV stays on src until the destination has room."""
+        dst = self.engines[self.policy.global_scheduler.route_decode(st, src.instance, self, self.now())]
+        tracked = src._by_int.pop(st.id)
+        del src._by_str[tracked.request_id]
+        dst._by_int[st.id] = tracked
+        dst._by_str[tracked.request_id] = tracked
+        self._where[tracked.request_id] = dst.instance
+        self._kv_home[st.id] = src.instance
+        dst.scheduler.add_migration(st, self.now())
+        self._admit(dst)
+
+    def _admit(self, dst: LLMEngine) -> None:
+        for st in dst.scheduler.admit_migrations(self.now()):
+            src = self.engines[self._kv_home.pop(st.id)]
+            n = cdiv(st.num_computed, src.kv.block_size)
+            data = src.runner.export_kv(src.kv.block_table(st.id)[:n])
+            dst.runner.import_kv(dst.kv.block_table(st.id)[:n], data)
+            src.scheduler.release(st.id)
+            dst.scheduler.migration_arrived(st, self.now())
+            self.migrations += 1
