@@ -6,6 +6,8 @@ Each operator gets a small linear form in the features of a `BatchShape` that dr
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
   other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
 
+plus the engine's measured per-step time outside the forward pass (`engine_overhead_s`).
+
 fitted by non-negative least squares on relative error (so 16-token and 2,048-token shapes
 count alike). The simulator then emulates this engine on this machine: `flowyard simulate
 --profile PATH`.
@@ -73,6 +75,7 @@ class ProfiledCostModel(CostModel):
         self.name = profile.get("model", "profile")
         self.machine = profile.get("machine", {})
         self._capacity = kv_capacity_tokens or int(profile.get("kv_capacity_tokens", 16384))
+        self.engine_overhead = float(profile.get("engine_overhead_s", 0.0))  # per step, outside forward
         self.coef: dict[str, np.ndarray] = {}
         for op, t in times.items():
             x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
@@ -94,7 +97,7 @@ class ProfiledCostModel(CostModel):
         return {op: self._op(op, shape) for op in LAYER_OPS}
 
     def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
-        return {"overhead": self._op("step_other", shape)}
+        return {"overhead": self._op("step_other", shape) + self.engine_overhead}
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes

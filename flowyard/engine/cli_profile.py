@@ -23,7 +23,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from flowyard.costmodel.profiled import ProfiledCostModel
     from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-    from flowyard.engine.profiler import default_grid, run_profile, save_profile
+    from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile, save_profile
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
@@ -35,11 +35,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size, grid=grid,
                        repeats=args.repeats, name=engine.model_name, progress=progress)
     prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
+    prof["engine_overhead_s"] = measure_engine_overhead(engine)
     save_profile(prof, args.out)
     fit = ProfiledCostModel(prof)
     print(f"{'operator':<14} {'median |rel. error| of the fit':>32}")
     for op, err in fit.fit_error.items():
         print(f"{op:<14} {err:>31.1%}")
+    print(f"engine overhead per step outside the forward pass: {prof['engine_overhead_s'] * 1e3:.2f} ms")
     del torch
     print(f"wrote {args.out}; use it with: flowyard simulate --profile {args.out} ...")
     return 0

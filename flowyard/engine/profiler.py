@@ -133,3 +133,32 @@ def save_profile(profile: dict, path: str | Path) -> None:
         Path(path).write_text(json.dumps(profile, indent=1))
     except OSError as e:
         raise OSError(f"cannot write profile to '{path}': {e.strerror or e}") from None
+
+
+def measure_engine_overhead(engine, steps: int = 40) -> float:
+    """Median seconds a real engine step spends outside the forward pass (scheduling, batch
+    preparation, sampling, detokenisation, bookkeeping): a per-step constant the operator
+    timings above do not see."""
+    from flowyard.engine.sampling import SamplingParams
+
+    forward = engine.runner.execute
+    spent: list[float] = []
+
+    def timed(plan):
+        t = time.perf_counter()
+        out = forward(plan)
+        spent.append(time.perf_counter() - t)
+        return out
+
+    engine.runner.execute = timed
+    rid = f"overhead-probe-{time.monotonic_ns()}"
+    engine.add_request(rid, list(range(10, 42)), SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    extra: list[float] = []
+    try:
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            extra.append(time.perf_counter() - t - spent[-1])
+    finally:
+        engine.runner.execute = forward
+    return statistics.median(extra[1:] or extra)
