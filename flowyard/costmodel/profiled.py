@@ -1,8 +1,10 @@
 """A cost model fitted to `flowyard profile` measurements of the real engine.
 
-Each operator gets a small linear form in the features of a `BatchShape` that drive its cost:
+The GEMM operators (qkv_proj, o_proj, gate_up_proj, down_proj) depend on the number of tokens
+in the step only, but not linearly on a CPU (kernels change with the batch shape), so they are
+interpolated piecewise-linearly between the measured token counts and extrapolated along the
+last segment. The others get a small linear form in the features that drive their cost:
 
-  qkv_proj, o_proj, gate_up_proj, down_proj:  a + b * tokens          (GEMMs + fused elementwise)
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
   other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
 
@@ -22,6 +24,9 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import LAYER_OPS, CostModel, Seconds
+
+
+GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class ProfileError(ValueError):
@@ -77,7 +82,13 @@ class ProfiledCostModel(CostModel):
         self._capacity = kv_capacity_tokens or int(profile.get("kv_capacity_tokens", 16384))
         self.engine_overhead = float(profile.get("engine_overhead_s", 0.0))  # per step, outside forward
         self.coef: dict[str, np.ndarray] = {}
+        self.curve: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        tokens = np.array([float(s.tokens) for s in shapes])
         for op, t in times.items():
+            if op in GEMM_OPS:
+                xs = np.unique(tokens)
+                self.curve[op] = (xs, np.array([t[tokens == x].mean() for x in xs]))
+                continue
             x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
             w = 1.0 / np.maximum(t, 1e-6)
             self.coef[op] = nnls(x * w[:, None], t * w)
@@ -88,6 +99,14 @@ class ProfiledCostModel(CostModel):
         return float(np.median(np.abs(pred - t) / np.maximum(t, 1e-9)))
 
     def _op(self, op: str, shape: BatchShape) -> Seconds:
+        if op in self.curve:
+            xs, ys = self.curve[op]
+            n = shape.tokens + 0.0 * np.asarray(shape.decode_ctx, dtype=float)
+            inside = np.interp(n, xs, ys)
+            if len(xs) < 2:
+                return inside
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            return np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), inside)
         total: Seconds = 0.0
         for c, f in zip(self.coef[op], _features(op, shape)):
             total = total + c * f
