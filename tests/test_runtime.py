@@ -90,3 +90,30 @@ def test_decode_kv_pressure_waits_for_room_and_abort_mid_migration_frees_source(
         cluster.step()
     for e in cluster.engines:
         assert not e.kv.leaked() and not e.has_unfinished()
+
+
+@pytest.mark.parametrize("where", ["mid-prefill", "prefill-end", "mid-decode"])
+def test_migrate_at_any_token_keeps_the_tokens(tiny, where):
+    model, tok = tiny
+    prompt = PROMPTS[2]  # 70 tokens: five chunks of 16
+    ref = run(LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096)), [prompt])[0]
+    cluster = LocalCluster(model, tok, build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
+                           EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16))
+    cluster.add_request("m", prompt, GREEDY)
+    src = cluster._where["m"]
+    st = cluster.engines[src]._by_str["m"].state
+    reached = {"mid-prefill": lambda: 0 < st.num_computed < len(prompt),
+               "prefill-end": lambda: st.num_output == 1,
+               "mid-decode": lambda: st.num_output == 7}[where]
+    tokens = []
+    while not reached():
+        for o in cluster.step():
+            tokens += o.new_token_ids
+    assert cluster.migrate("m", 1 - src)
+    assert cluster._where["m"] == 1 - src and cluster.migrations == 1
+    while cluster.has_unfinished():
+        for o in cluster.step():
+            tokens += o.new_token_ids
+    assert tokens == ref
+    for e in cluster.engines:
+        assert not e.kv.leaked()

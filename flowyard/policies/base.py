@@ -108,6 +108,10 @@ class LocalScheduler(ABC):
     def migration_arrived(self, state: RequestState, now: float) -> None:
         """The KV of an admitted migration is here; the request joins the running batch."""
 
+    def hand_off(self, req_id: int) -> RequestState | None:
+        """Take a running request off this instance, keeping its KV for a migration."""
+        return None
+
     @abstractmethod
     def release(self, req_id: int) -> None:
         """Free a handed-off request's KV once its transfer is complete."""

@@ -285,6 +285,18 @@ class BatchScheduler(LocalScheduler):
         state.status = Status.RUNNING
         self.running.append(state)
 
+    def hand_off(self, req_id: int) -> RequestState | None:
+        """Stop running a request here without freeing its KV, so it can continue on another
+        instance from exactly where it is (mid-prefill, at prefill end, or mid-decode). Only
+        between steps; a request with nothing computed yet is simply re-routed instead."""
+        st = next((r for r in self.running if r.id == req_id), None)
+        if st is None or st.num_computed == 0:
+            return None
+        self.running.remove(st)
+        st.status = Status.MIGRATING
+        self._handed_off[st.id] = st
+        return st
+
     def release(self, req_id: int) -> None:
         del self._handed_off[req_id]
         self.kv.free(req_id)

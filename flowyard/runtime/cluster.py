@@ -118,10 +118,27 @@ class LocalCluster:
         return outputs
 
     # -- KV migration ---------------------------------------------------------------------------
+    def migrate(self, request_id: str, dst: int) -> bool:
+        """Move a running request to instance `dst` now, at whatever token it has reached
+        (mid-prefill, at the end of prefill, mid-decode); it continues there without
+        recomputation. Call between steps. False if it is not running anywhere (yet)."""
+        where = self._where.get(request_id)
+        if where is None or where == dst:
+            return False
+        src = self.engines[where]
+        tracked = src._by_str.get(request_id)
+        if tracked is None or src.scheduler.hand_off(tracked.state.id) is None:
+            return False
+        self._move(src, self.engines[dst], tracked.state)
+        return True
+
     def _hand_off(self, src: LLMEngine, st: RequestState) -> None:
         """A prefill finished on `src`: the request continues on the decode instance the
         global scheduler picks; its KV stays on src until the destination has room."""
         dst = self.engines[self.policy.global_scheduler.route_decode(st, src.instance, self, self.now())]
+        self._move(src, dst, st)
+
+    def _move(self, src: LLMEngine, dst: LLMEngine, st: RequestState) -> None:
         tracked = src._by_int.pop(st.id)
         del src._by_str[tracked.request_id]
         dst._by_int[st.id] = tracked
