@@ -28,6 +28,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="vllm",
                    help="scheduling policy across instances (vllm, round-robin, least-load, distserve, ...)")
     p.add_argument("--prefill-instances", type=int, default=None, help="prefill instances of PD policies")
+    p.add_argument("--ray", action="store_true",
+                   help="one process per instance as Ray actors (a local Ray cluster unless --ray-address)")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (implies --ray)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
@@ -53,16 +56,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     print(f"flowyard: loading {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}) ...",
           file=sys.stderr, flush=True)
-    engine = LLMEngine.from_path(args.model, config)
-    if args.instances > 1 or args.policy != "vllm":
+    use_ray = args.ray or args.ray_address is not None
+    policy = None
+    if args.instances > 1 or args.policy != "vllm" or use_ray:
         from flowyard.policies.registry import PolicyOptions, build_policy
-        from flowyard.runtime.cluster import LocalCluster
 
         policy = build_policy(args.policy, PolicyOptions(
             num_instances=args.instances, num_prefill=args.prefill_instances,
             chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
+    if use_ray:
+        from flowyard.runtime.ray_cluster import RayCluster
+
+        engine = RayCluster(args.model, policy, config, address=args.ray_address)
+    else:
+        engine = LLMEngine.from_path(args.model, config)
+    if policy is not None and not use_ray:
+        from flowyard.runtime.cluster import LocalCluster
+
         engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name)
-        print(f"flowyard: {args.instances} instance(s) in this process, policy {policy.name} "
+    if policy is not None:
+        where = "Ray actors" if use_ray else "this process"
+        print(f"flowyard: {args.instances} instance(s) in {where}, policy {policy.name} "
               f"(roles: {', '.join(r.value for r in policy.roles)})", file=sys.stderr)
     client = AsyncLLMEngine(engine)
     app = build_app(client, api_key=args.api_key, served_model_name=args.served_model_name)
@@ -74,4 +88,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.shutdown()
+        if use_ray:
+            engine.shutdown()
     return 0

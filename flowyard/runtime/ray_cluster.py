@@ -1,0 +1,213 @@
+"""Engine instances as Ray actors, one process each: the deployment form of `LocalCluster`.
+
+The driver (the server process) runs the policy's global scheduler; every actor runs its own
+`LLMEngine` with the policy's local scheduler for its role. All busy actors step concurrently
+(one Ray call each per round). A finished prefill on a PREFILL actor is handed to the decode
+actor the global scheduler picks: its request record and KV blocks travel through the Ray
+object store, and the destination imports them as soon as it has room.
+
+Snapshots for the global scheduler are the ones each actor returned with its last step, so
+they are at most one step old (the simulator can model the same staleness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+from flowyard.core.request import SLO, NO_SLO, Request
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.sampling import RequestOutput, SamplingParams
+from flowyard.policies.base import InstanceSnapshot, Role
+from flowyard.policies.local import BatchConfig
+from flowyard.policies.registry import Policy
+from flowyard.runtime.cluster import _KVUsage
+
+ID_STRIDE = 1 << 40  # each actor numbers its requests from instance * ID_STRIDE: ids never clash
+
+
+class EngineActor:
+    """What runs inside each Ray actor process."""
+
+    def __init__(self, model: str | None, config: EngineConfig, instance: int, role: str,
+                 batch: dict, t0: float) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, config.threads or 1))
+        base = LLMEngine.from_path(model, config)
+        self.engine = LLMEngine(base.model, base.tokenizer, config, base.model_name, instance=instance,
+                                role=Role(role), batch=BatchConfig(**batch),
+                                ids=itertools.count(instance * ID_STRIDE), t0=t0)
+        self.pending: list[tuple[Any, Any]] = []  # migrations whose KV arrived before the room
+
+    def info(self) -> tuple[str, int]:
+        return self.engine.model_name, self.engine.max_model_len
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, slo: SLO | None) -> None:
+        self.engine.add_request(rid, prompt, params, slo)
+
+    def abort(self, rid: str) -> None:
+        t = self.engine._by_str.get(rid)
+        if t is not None:
+            self.pending = [(st, kv) for st, kv in self.pending if st.id != t.state.id]
+        self.engine.abort(rid)
+
+    def step(self) -> tuple[list[RequestOutput], list[int], InstanceSnapshot, bool]:
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        handoffs = [st.id for st in self.engine.handoffs]
+        self.engine.handoffs = []
+        self._admit()
+        return outputs, handoffs, self.engine.scheduler.snapshot(), self.engine.has_unfinished()
+
+    def snapshot(self) -> InstanceSnapshot:
+        return self.engine.scheduler.snapshot()
+
+    def take(self, req_id: int) -> tuple[dict, Any]:
+        """Give up a handed-off request: its record and KV blocks; the KV is freed here."""
+        e = self.engine
+        t = e._by_int.pop(req_id)
+        del e._by_str[t.request_id]
+        st = t.state
+        n = -(-st.num_computed // e.kv.block_size)
+        kv = e.runner.export_kv(e.kv.block_table(st.id)[:n])
+        e.scheduler.release(st.id)
+        record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text,
+                  "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
+                  "generator": None if t.generator is None else t.generator.get_state(),
+                  "detok": (t.detok.ids, t.detok.prefix_offset, t.detok.read_offset, t.detok.text)}
+        return record, kv
+
+    def put(self, record: dict, kv: Any) -> None:
+        import torch
+
+        from flowyard.engine.llm_engine import _Tracked
+        from flowyard.engine.tokenizer import IncrementalDetokenizer
+
+        e = self.engine
+        st = record["state"]
+        detok = IncrementalDetokenizer(e.tokenizer)
+        detok.ids, detok.prefix_offset, detok.read_offset, detok.text = record["detok"]
+        gen = None
+        if record["generator"] is not None:
+            gen = torch.Generator()
+            gen.set_state(record["generator"])
+        t = _Tracked(record["request_id"], st, record["params"], detok, gen, text=record["text"],
+                     emitted=record["emitted"], emitted_tokens=record["emitted_tokens"])
+        e._by_int[st.id] = t
+        e._by_str[t.request_id] = t
+        e.scheduler.add_migration(st, e.now())
+        self.pending.append((st, kv))
+        self._admit()
+
+    def _admit(self) -> None:
+        e = self.engine
+        kv_of = {st.id: kv for st, kv in self.pending}
+        for st in e.scheduler.admit_migrations(e.now()):
+            n = -(-st.num_computed // e.kv.block_size)
+            e.runner.import_kv(e.kv.block_table(st.id)[:n], kv_of.pop(st.id))
+            e.scheduler.migration_arrived(st, e.now())
+        self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]
+
+
+class RayCluster:
+    """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive)."""
+
+    def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
+                 address: str | None = None) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        self._ray = ray
+        self.policy = policy
+        self.config = config
+        t0 = time.monotonic()
+        actor_cls = ray.remote(num_cpus=0)(EngineActor)
+        self.actors = [actor_cls.remote(model, config, i, role.value, dataclasses.asdict(policy.configs[role]), t0)
+                       for i, role in enumerate(policy.roles)]
+        infos = ray.get([a.info.remote() for a in self.actors])
+        self.model_name = infos[0][0]
+        self.max_model_len = min(i[1] for i in infos)
+        from flowyard.engine.loader import load_checkpoint  # the driver tokenises prompts
+        from flowyard.engine.embedded import embedded_model_path
+
+        self.tokenizer = load_checkpoint(model or embedded_model_path()).tokenizer
+        self._t0 = t0
+        self._snaps = ray.get([a.snapshot.remote() for a in self.actors])
+        self._busy = [False] * len(self.actors)
+        self._where: dict[str, int] = {}
+        self.migrations = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def instances(self, role: Role | None = None) -> list[int]:
+        return [i for i, r in enumerate(self.policy.roles) if role is None or r is role]
+
+    def snapshot(self, instance: int) -> InstanceSnapshot:
+        return self._snaps[instance]
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    slo: SLO | None = None) -> None:
+        if request_id in self._where:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        probe = Request(id=-1, arrival=self.now(), prompt_len=max(1, len(prompt_ids)),
+                        max_tokens=params.max_tokens, slo=slo or NO_SLO)
+        dst = self.policy.global_scheduler.route(probe, self, self.now())
+        if dst is None:
+            raise ValueError("no instance can take this request now")
+        self._ray.get(self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo))
+        self._where[request_id] = dst
+        self._busy[dst] = True
+        self._snaps[dst] = self._ray.get(self.actors[dst].snapshot.remote())
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        where = self._where.pop(request_id, None)
+        if where is None:
+            return None
+        self._ray.get(self.actors[where].abort.remote(request_id))
+        return RequestOutput(request_id, finished=True, finish_reason="abort")
+
+    def has_unfinished(self) -> bool:
+        return any(self._busy)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self._snaps)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self._snaps)
+
+    @property
+    def kv(self) -> _KVUsage:
+        return _KVUsage(sum(s.kv_usage for s in self._snaps) / len(self._snaps), 0.0)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [i for i, b in enumerate(self._busy) if b]
+        results = self._ray.get([self.actors[i].step.remote() for i in busy])
+        outputs: list[RequestOutput] = []
+        for i, (outs, handoffs, snap, still_busy) in zip(busy, results):
+            self._snaps[i], self._busy[i] = snap, still_busy
+            outputs += outs
+            for o in outs:
+                if o.finished:
+                    self._where.pop(o.request_id, None)
+            for req_id in handoffs:
+                self._hand_off(i, req_id)
+        return outputs
+
+    def _hand_off(self, src: int, req_id: int) -> None:
+        record, kv = self._ray.get(self.actors[src].take.remote(req_id))
+        st = record["state"]
+        dst = self.policy.global_scheduler.route_decode(st, src, self, self.now())
+        self._ray.get(self.actors[dst].put.remote(record, kv))
+        self._where[record["request_id"]] = dst
+        self._busy[dst] = True
+        self.migrations += 1
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
