@@ -48,3 +48,37 @@ def test_distserve_on_two_ray_actors_gives_the_same_tokens(tmp_path):
         cluster.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tmp_path):
+    pytest.importorskip("transformers")
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = make_tiny_model(tmp_path, "llama")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster = RayCluster(str(d), build_policy("round-robin", PolicyOptions(num_instances=2)),
+                             EngineConfig(kv_cache_tokens=2048))
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            cluster.add_request(f"r{i}", p, long)  # r0, r2 on instance 0; r1, r3 on 1
+        for _ in range(3):
+            cluster.step()
+        ray.kill(cluster.actors[1], no_restart=True)
+        ends = {}
+        for _ in range(10_000):
+            if not cluster.has_unfinished():
+                break
+            for o in cluster.step():
+                if o.finished:
+                    ends[o.request_id] = (o.finish_reason, o.error)
+        assert ends["r0"][0] == ends["r2"][0] == "length"  # the survivor finished its own
+        assert ends["r1"][0] == ends["r3"][0] == "error" and "died" in ends["r1"][1]
+        assert cluster.failures == 1 and "instance 1 is down" in cluster.health_detail
+        ray.get(cluster.actors[1].info.remote())  # the replacement loads ...
+        cluster.step()
+        assert cluster.health_detail == ""  # ... and rejoins
+        assert drive(cluster)[0]  # new work is served again, on both instances
+        cluster.shutdown()
+    finally:
+        ray.shutdown()

@@ -57,8 +57,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 out: RequestOutput = await q.get()
-                if out.error:  # rejected at admission (bad input), or the engine broke
-                    raise (RuntimeError if self._error else ValueError)(out.error)
+                if out.error:  # rejected at admission (bad input), or an engine/instance broke
+                    raise (ValueError if out.finish_reason == "rejected" else RuntimeError)(out.error)
                 finished = out.finished
                 yield out
                 if finished:
@@ -76,7 +76,8 @@ class AsyncLLMEngine:
         return EngineStats(
             num_running=e.num_running, num_waiting=e.num_waiting + self._pending,
             kv_usage=e.kv.usage, prefix_cache_hit_rate=getattr(e.kv, "hit_rate", 0.0),
-            healthy=self._error is None and self._thread.is_alive(), detail=self._error or "",
+            healthy=self._error is None and self._thread.is_alive(),
+            detail=self._error or getattr(e, "health_detail", ""),
         )
 
     def shutdown(self) -> None:
@@ -99,7 +100,7 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(rid, prompt, params, slo)
             except ValueError as e:
-                self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(e)))
+                self._deliver(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
 

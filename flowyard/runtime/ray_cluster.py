@@ -124,9 +124,10 @@ class RayCluster:
         self.policy = policy
         self.config = config
         t0 = time.monotonic()
-        actor_cls = ray.remote(num_cpus=0)(EngineActor)
-        self.actors = [actor_cls.remote(model, config, i, role.value, dataclasses.asdict(policy.configs[role]), t0)
-                       for i, role in enumerate(policy.roles)]
+        self._t0_for_spawn = t0
+        self._actor_cls = ray.remote(num_cpus=0)(EngineActor)
+        self._model = model
+        self.actors = [self._spawn(i) for i in range(len(policy.roles))]
         infos = ray.get([a.info.remote() for a in self.actors])
         self.model_name = infos[0][0]
         self.max_model_len = min(i[1] for i in infos)
@@ -138,13 +139,26 @@ class RayCluster:
         self._snaps = ray.get([a.snapshot.remote() for a in self.actors])
         self._busy = [False] * len(self.actors)
         self._where: dict[str, int] = {}
+        self._inputs: dict[str, tuple[list[int], SamplingParams, SLO | None]] = {}  # until 1st token
+        self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
         self.migrations = 0
+        self.failures = 0
+
+    def _spawn(self, i: int):
+        role = self.policy.roles[i]
+        return self._actor_cls.remote(self._model, self.config, i, role.value,
+                                      dataclasses.asdict(self.policy.configs[role]), self._t0_for_spawn)
+
+    @property
+    def health_detail(self) -> str:
+        return ", ".join(f"instance {i} is down (restarting)" for i in sorted(self._down))
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
     def instances(self, role: Role | None = None) -> list[int]:
-        return [i for i, r in enumerate(self.policy.roles) if role is None or r is role]
+        return [i for i, r in enumerate(self.policy.roles)
+                if (role is None or r is role) and i not in self._down]
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
         return self._snaps[instance]
@@ -160,6 +174,7 @@ class RayCluster:
             raise ValueError("no instance can take this request now")
         self._ray.get(self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo))
         self._where[request_id] = dst
+        self._inputs[request_id] = (prompt_ids, params, slo)
         self._busy[dst] = True
         self._snaps[dst] = self._ray.get(self.actors[dst].snapshot.remote())
 
@@ -186,18 +201,54 @@ class RayCluster:
         return _KVUsage(sum(s.kv_usage for s in self._snaps) / len(self._snaps), 0.0)
 
     def step(self) -> list[RequestOutput]:
-        busy = [i for i, b in enumerate(self._busy) if b]
-        results = self._ray.get([self.actors[i].step.remote() for i in busy])
+        self._check_restarts()
+        busy = [i for i, b in enumerate(self._busy) if b and i not in self._down]
+        refs = [self.actors[i].step.remote() for i in busy]
         outputs: list[RequestOutput] = []
-        for i, (outs, handoffs, snap, still_busy) in zip(busy, results):
+        for i, ref in zip(busy, refs):
+            try:
+                outs, handoffs, snap, still_busy = self._ray.get(ref)
+            except self._ray.exceptions.RayActorError:
+                outputs += self._instance_died(i)
+                continue
             self._snaps[i], self._busy[i] = snap, still_busy
             outputs += outs
             for o in outs:
+                self._inputs.pop(o.request_id, None)  # started: its KV now matters
                 if o.finished:
                     self._where.pop(o.request_id, None)
             for req_id in handoffs:
                 self._hand_off(i, req_id)
         return outputs
+
+    def _instance_died(self, i: int) -> list[RequestOutput]:
+        """Re-dispatch what had not started there; fail, with a clear error, what had (its KV
+        is gone); start a replacement, which rejoins once it has loaded."""
+        self.failures += 1
+        self._down[i] = None
+        self._busy[i] = False
+        outputs = []
+        for rid in [r for r, where in self._where.items() if where == i]:
+            del self._where[rid]
+            inputs = self._inputs.pop(rid, None)
+            if inputs is not None and self.instances(self.policy.roles[i]):
+                try:
+                    self.add_request(rid, *inputs)
+                    continue
+                except ValueError:
+                    pass
+            outputs.append(RequestOutput(rid, finished=True, finish_reason="error",
+                                         error=f"instance {i} died; the request's KV cache was lost"))
+        self.actors[i] = self._spawn(i)
+        self._down[i] = self.actors[i].info.remote()
+        return outputs
+
+    def _check_restarts(self) -> None:
+        for i, ref in list(self._down.items()):
+            ready, _ = self._ray.wait([ref], timeout=0)
+            if ready:
+                del self._down[i]
+                self._snaps[i] = self._ray.get(self.actors[i].snapshot.remote())
 
     def _hand_off(self, src: int, req_id: int) -> None:
         record, kv = self._ray.get(self.actors[src].take.remote(req_id))
