@@ -14,27 +14,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
-
 from flowyard.core.kvcache import cdiv
-from flowyard.core.request import SLO, NO_SLO, Request, RequestState
+from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.engine.tokenizer import Tokenizer
 from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.registry import Policy
+from flowyard.runtime.base import ClusterBase
 
 
-@dataclass
-class _KVUsage:
-    """What /metrics and /health read as `kv.usage` and `kv.hit_rate` for the whole cluster."""
-
-    usage: float
-    hit_rate: float
-
-
-class LocalCluster:
+class LocalCluster(ClusterBase):
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, policy: Policy,
                  config: EngineConfig = EngineConfig(), name: str = "model") -> None:
         ids, t0 = itertools.count(), time.monotonic()
@@ -65,13 +56,7 @@ class LocalCluster:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None) -> None:
-        if request_id in self._where:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        probe = Request(id=-1, arrival=self.now(), prompt_len=max(1, len(prompt_ids)),
-                        max_tokens=params.max_tokens, slo=slo or NO_SLO)
-        dst = self.policy.global_scheduler.route(probe, self, self.now())
-        if dst is None:
-            raise ValueError("no instance can take this request now")
+        dst = self._route(request_id, prompt_ids, params, slo)
         self.engines[dst].add_request(request_id, prompt_ids, params, slo)
         self._where[request_id] = dst
 
@@ -88,18 +73,11 @@ class LocalCluster:
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(e.num_waiting for e in self.engines)
+    def snapshots(self) -> list[InstanceSnapshot]:
+        return [e.scheduler.snapshot() for e in self.engines]
 
-    @property
-    def num_running(self) -> int:
-        return sum(e.num_running for e in self.engines)
-
-    @property
-    def kv(self) -> _KVUsage:
-        hit = [getattr(e.kv, "hit_rate", 0.0) for e in self.engines]
-        return _KVUsage(sum(e.kv.usage for e in self.engines) / len(self.engines), sum(hit) / len(hit))
+    def prefix_hit_rate(self) -> float:
+        return sum(getattr(e.kv, "hit_rate", 0.0) for e in self.engines) / len(self.engines)
 
     def step(self) -> list[RequestOutput]:
         """One step of every instance that has work, then the hand-offs it produced."""

@@ -17,13 +17,13 @@ import itertools
 import time
 from typing import Any
 
-from flowyard.core.request import SLO, NO_SLO, Request
+from flowyard.core.request import SLO
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.local import BatchConfig
 from flowyard.policies.registry import Policy
-from flowyard.runtime.cluster import _KVUsage
+from flowyard.runtime.base import ClusterBase
 
 ID_STRIDE = 1 << 40  # each actor numbers its requests from instance * ID_STRIDE: ids never clash
 
@@ -111,7 +111,7 @@ class EngineActor:
         self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]
 
 
-class RayCluster:
+class RayCluster(ClusterBase):
     """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive)."""
 
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
@@ -165,13 +165,7 @@ class RayCluster:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None) -> None:
-        if request_id in self._where:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        probe = Request(id=-1, arrival=self.now(), prompt_len=max(1, len(prompt_ids)),
-                        max_tokens=params.max_tokens, slo=slo or NO_SLO)
-        dst = self.policy.global_scheduler.route(probe, self, self.now())
-        if dst is None:
-            raise ValueError("no instance can take this request now")
+        dst = self._route(request_id, prompt_ids, params, slo)
         self._ray.get(self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo))
         self._where[request_id] = dst
         self._inputs[request_id] = (prompt_ids, params, slo)
@@ -188,17 +182,8 @@ class RayCluster:
     def has_unfinished(self) -> bool:
         return any(self._busy)
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(s.num_waiting for s in self._snaps)
-
-    @property
-    def num_running(self) -> int:
-        return sum(s.num_running for s in self._snaps)
-
-    @property
-    def kv(self) -> _KVUsage:
-        return _KVUsage(sum(s.kv_usage for s in self._snaps) / len(self._snaps), 0.0)
+    def snapshots(self) -> list[InstanceSnapshot]:
+        return self._snaps
 
     def step(self) -> list[RequestOutput]:
         self._check_restarts()
