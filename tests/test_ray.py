@@ -82,3 +82,35 @@ def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tmp_path):
         cluster.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_migrate_between_actors_at_any_token(tmp_path):
+    """Mid-prefill, at prefill end and mid-decode, KV in chunks through the object store."""
+    pytest.importorskip("transformers")
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = make_tiny_model(tmp_path, "llama")
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    prompt = PROMPTS[2]
+    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096)).generate([prompt], GREEDY)[0]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster = RayCluster(str(d), build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
+                             EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16, block_size=4))
+        for k, steps in enumerate([2, 5, 11]):  # mid-prefill (32 of 70), prefill end, mid-decode
+            rid = f"m{k}"
+            cluster.add_request(rid, prompt, GREEDY)
+            src = cluster._where[rid]
+            tokens = []
+            for _ in range(steps):
+                tokens += [t for o in cluster.step() for t in o.new_token_ids]
+            assert cluster.migrate(rid, 1 - src)
+            while cluster.has_unfinished():
+                tokens += [t for o in cluster.step() for t in o.new_token_ids]
+            assert tokens == ref.new_token_ids, k
+        assert cluster.migrations == 3
+        cluster.shutdown()
+    finally:
+        ray.shutdown()

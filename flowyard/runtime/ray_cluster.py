@@ -40,7 +40,7 @@ class EngineActor:
         self.engine = LLMEngine(base.model, base.tokenizer, config, base.model_name, instance=instance,
                                 role=Role(role), batch=BatchConfig(**batch),
                                 ids=itertools.count(instance * ID_STRIDE), t0=t0)
-        self.pending: list[tuple[Any, Any]] = []  # migrations whose KV arrived before the room
+        self.pending: list[tuple[Any, list]] = []  # migrations whose KV arrived before the room
 
     def info(self) -> tuple[str, int]:
         return self.engine.model_name, self.engine.max_model_len
@@ -64,14 +64,24 @@ class EngineActor:
     def snapshot(self) -> InstanceSnapshot:
         return self.engine.scheduler.snapshot()
 
-    def take(self, req_id: int) -> tuple[dict, Any]:
-        """Give up a handed-off request: its record and KV blocks; the KV is freed here."""
+    def hand_off(self, rid: str) -> int | None:
+        """Stop running a request here, keeping its KV for a migration (any token position)."""
+        t = self.engine._by_str.get(rid)
+        if t is None or self.engine.scheduler.hand_off(t.state.id) is None:
+            return None
+        return t.state.id
+
+    def take(self, req_id: int, chunk_blocks: int = 16) -> tuple[dict, list]:
+        """Give up a handed-off request: its record and its KV blocks, in chunks of
+        `chunk_blocks` blocks (each its own object in the store); the KV is freed here."""
+        import ray
+
         e = self.engine
         t = e._by_int.pop(req_id)
         del e._by_str[t.request_id]
         st = t.state
-        n = -(-st.num_computed // e.kv.block_size)
-        kv = e.runner.export_kv(e.kv.block_table(st.id)[:n])
+        table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
+        kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
         e.scheduler.release(st.id)
         record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text,
                   "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
@@ -104,9 +114,15 @@ class EngineActor:
     def _admit(self) -> None:
         e = self.engine
         kv_of = {st.id: kv for st, kv in self.pending}
+        import ray
+
         for st in e.scheduler.admit_migrations(e.now()):
-            n = -(-st.num_computed // e.kv.block_size)
-            e.runner.import_kv(e.kv.block_table(st.id)[:n], kv_of.pop(st.id))
+            table = e.kv.block_table(st.id)
+            start = 0
+            for ref in kv_of.pop(st.id):  # chunk by chunk, in block order
+                chunk = ray.get(ref)
+                e.runner.import_kv(table[start:start + chunk.shape[2]], chunk)
+                start += chunk.shape[2]
             e.scheduler.migration_arrived(st, e.now())
         self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]
 
@@ -235,10 +251,23 @@ class RayCluster(ClusterBase):
                 del self._down[i]
                 self._snaps[i] = self._ray.get(self.actors[i].snapshot.remote())
 
-    def _hand_off(self, src: int, req_id: int) -> None:
+    def migrate(self, request_id: str, dst: int) -> bool:
+        """Move a running request to instance `dst` at whatever token it has reached; it
+        continues there without recomputation. False if it is not running anywhere (yet)."""
+        src = self._where.get(request_id)
+        if src is None or src == dst or dst in self._down:
+            return False
+        req_id = self._ray.get(self.actors[src].hand_off.remote(request_id))
+        if req_id is None:
+            return False
+        self._hand_off(src, req_id, dst)
+        return True
+
+    def _hand_off(self, src: int, req_id: int, dst: int | None = None) -> None:
         record, kv = self._ray.get(self.actors[src].take.remote(req_id))
         st = record["state"]
-        dst = self.policy.global_scheduler.route_decode(st, src, self, self.now())
+        if dst is None:
+            dst = self.policy.global_scheduler.route_decode(st, src, self, self.now())
         self._ray.get(self.actors[dst].put.remote(record, kv))
         self._where[record["request_id"]] = dst
         self._busy[dst] = True
