@@ -42,6 +42,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--profile", default=None, metavar="PATH",
                    help="cost model from `flowyard profile` (emulates that engine) instead of the roofline")
+    g.add_argument("--snapshot-staleness", type=float, default=0.0, metavar="S",
+                   help="global policies see instance snapshots up to S seconds old (runtime reports)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse KV of shared prefixes (Mooncake hash_ids, multi-turn history)")
     g.add_argument("--seed", type=int, default=0)
@@ -59,6 +61,7 @@ def _config(args: argparse.Namespace, policy: str):
         ttft_slo_by_length=args.ttft_slo_by_length, seed=args.seed,
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
+        snapshot_staleness=args.snapshot_staleness,
     )
 
 

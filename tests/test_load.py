@@ -66,8 +66,14 @@ async def one(client: httpx.AsyncClient, url: str, i: int) -> str:
         return f"transport: {type(e).__name__}"
 
 
+def rss_mib() -> float:
+    status = open("/proc/self/status").read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) / 1024
+
+
 def test_500_concurrent_streams_none_lost(served):
     cluster, url = served
+    before = rss_mib()
 
     async def main():
         limits = httpx.Limits(max_connections=N, max_keepalive_connections=N)
@@ -87,3 +93,6 @@ def test_500_concurrent_streams_none_lost(served):
     for e in cluster.engines:
         assert not e.has_unfinished() and e.kv.num_used_blocks == 0 and not e.kv.leaked()
     assert cluster.migrations >= ok
+    grown = rss_mib() - before  # server, engines and 500 client streams share this process
+    print(f"RSS grew by {grown:.0f} MiB")
+    assert grown < 300, f"memory grew by {grown:.0f} MiB under load"

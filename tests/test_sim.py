@@ -138,3 +138,13 @@ def test_unknown_policy_lists_valid_names():
 def test_distserve_needs_both_pools():
     with pytest.raises(ValueError, match="prefill"):
         build_policy("distserve", PolicyOptions(num_instances=1))
+
+
+def test_stale_snapshots_make_load_balancing_herd():
+    """With snapshots as old as a runtime's reports, least-load sends a burst to one instance."""
+    reqs = [Request(i, 0.001 * i, prompt_len=100, output_len=50) for i in range(6)]
+    fresh, _ = simulate("least-load", reqs, n=3)
+    pol = build_policy("least-load", PolicyOptions(num_instances=3))
+    stale = Simulator(reqs, pol, LinearCost(capacity=20_000), TOPO, snapshot_staleness=1.0).run()
+    assert sorted(s.instance for s in fresh.states) == [0, 0, 1, 1, 2, 2]
+    assert [s.instance for s in stale.states] == [0] * 6

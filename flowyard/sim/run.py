@@ -59,11 +59,14 @@ class SimConfig:
     block_size: int = 16
     prefix_caching: bool = False
     profile: str | None = None  # a `flowyard profile` JSON: emulate that engine
+    snapshot_staleness: float = 0.0  # seconds; global policies see snapshots this old at most
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.snapshot_staleness < 0:
+            raise ValueError(f"--snapshot-staleness must be >= 0, got {self.snapshot_staleness}")
         if not self.rate_scale > 0:
             raise ValueError(f"--rate-scale must be positive, got {self.rate_scale}")
         if self.duration is not None and not self.duration > 0:
@@ -126,6 +129,7 @@ def simulate(
     sim = Simulator(
         w.requests, policy, cost_model or build_cost_model(cfg), build_topology(cfg),
         block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
+        snapshot_staleness=cfg.snapshot_staleness,
     )
     result = sim.run()
     summary = summarize(result.states, policy=policy.name, wall_s=result.wall_s)

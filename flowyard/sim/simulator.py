@@ -89,6 +89,7 @@ class Simulator:
         progress: Callable[[int, int], None] | None = None,
         on_step: Callable[[int, StepPlan, int], None] | None = None,
         prefix_caching: bool = False,
+        snapshot_staleness: float = 0.0,
     ) -> None:
         self.requests = list(requests)
         self.policy = policy
@@ -96,6 +97,10 @@ class Simulator:
         self.topology = topology
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
+        # Global policies see instance snapshots up to this many seconds old, as a runtime
+        # whose instances report periodically would (0: always current).
+        self.snapshot_staleness = snapshot_staleness
+        self._snap_cache: dict[int, tuple[float, InstanceSnapshot]] = {}
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
         kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
         self.instances = [
@@ -117,9 +122,16 @@ class Simulator:
         return self._by_role.get(role, [])
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
+        if self.snapshot_staleness > 0:
+            cached = self._snap_cache.get(instance)
+            if cached is not None and self.now - cached[0] < self.snapshot_staleness:
+                return cached[1]
         inst = self.instances[instance]
         self._sync(inst)
-        return inst.sched.snapshot()
+        snap = inst.sched.snapshot()
+        if self.snapshot_staleness > 0:
+            self._snap_cache[instance] = (self.now, snap)
+        return snap
 
     def _sync(self, inst: SimInstance) -> None:
         """Commit the steps of a decode run that ended before now, so the instance's state is
