@@ -157,6 +157,7 @@ class RayCluster(ClusterBase):
         self._where: dict[str, int] = {}
         self._inputs: dict[str, tuple[list[int], SamplingParams, SLO | None]] = {}  # until 1st token
         self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
+        self._inflight: dict[int, Any] = {}  # instance -> ObjectRef of the step it is running
         self.migrations = 0
         self.failures = 0
 
@@ -196,17 +197,30 @@ class RayCluster(ClusterBase):
         return RequestOutput(request_id, finished=True, finish_reason="abort")
 
     def has_unfinished(self) -> bool:
-        return any(self._busy)
+        return any(self._busy) or bool(self._inflight)
 
     def snapshots(self) -> list[InstanceSnapshot]:
         return self._snaps
 
     def step(self) -> list[RequestOutput]:
+        """Apply whichever instance steps have finished (waiting for at least one) and start
+        the next step of each such instance at once: instances progress independently, a
+        short decode step never waits for a long prefill step elsewhere."""
         self._check_restarts()
-        busy = [i for i, b in enumerate(self._busy) if b and i not in self._down]
-        refs = [self.actors[i].step.remote() for i in busy]
+        for i, busy in enumerate(self._busy):
+            if busy and i not in self._down and i not in self._inflight:
+                self._inflight[i] = self.actors[i].step.remote()
+        if not self._inflight:
+            return []
+        refs = list(self._inflight.values())
+        ready, rest = self._ray.wait(refs, num_returns=1)
+        if rest:
+            ready += self._ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        by_ref = {ref: i for i, ref in self._inflight.items()}
         outputs: list[RequestOutput] = []
-        for i, ref in zip(busy, refs):
+        for ref in ready:
+            i = by_ref[ref]
+            del self._inflight[i]
             try:
                 outs, handoffs, snap, still_busy = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
@@ -226,6 +240,7 @@ class RayCluster(ClusterBase):
         """Re-dispatch what had not started there; fail, with a clear error, what had (its KV
         is gone); start a replacement, which rejoins once it has loaded."""
         self.failures += 1
+        self._inflight.pop(i, None)
         self._down[i] = None
         self._busy[i] = False
         outputs = []
