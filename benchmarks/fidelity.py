@@ -4,7 +4,10 @@ same slice (same arrivals, lengths and policy) on the real engine, and compare.
 The real run replays arrivals in wall-clock time through `LLMEngine` in this process (no HTTP,
 so the client does not steal the 2 cores from the engine); both runs are summarised by the same
 metrics code from the same `RequestState` fields.
+With --instances N --policy P the real side is a `RayCluster` (one process and one thread
+per instance), timed by the driver as outputs arrive, and the profile is taken on one thread.
 Run: python benchmarks/fidelity.py [--requests 40] [--rate 1.0] [--dtype float32]
+     python benchmarks/fidelity.py --instances 2 --policy distserve --rate 1.5
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import platform
 import time
 
 from flowyard.core.metrics import summarize
+from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile
@@ -63,6 +67,38 @@ def run_real(engine: LLMEngine, reqs) -> tuple[list, float]:
         time.monotonic() - start
 
 
+def run_ray(cluster, reqs) -> tuple[list, float]:
+    """Replay arrivals against a RayCluster; token times are when the driver sees them."""
+    import numpy as np
+
+    from flowyard.core.request import RequestState, Status
+
+    pending = sorted(reqs, key=lambda r: r.arrival)
+    times: dict[str, list[float]] = {}
+    start, i = time.monotonic(), 0
+    while i < len(pending) or cluster.has_unfinished():
+        now = time.monotonic() - start
+        while i < len(pending) and pending[i].arrival <= now:
+            r = pending[i]
+            cluster.add_request(f"r{r.id}", [(r.id * 131 + j) % 40000 + 100 for j in range(r.prompt_len)],
+                                SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+            times[f"r{r.id}"] = []
+            i += 1
+        if cluster.has_unfinished():
+            for o in cluster.step():
+                t = time.monotonic() - start
+                times[o.request_id] += [t] * len(o.new_token_ids)
+        elif i < len(pending):
+            time.sleep(max(0.0, min(0.01, pending[i].arrival - (time.monotonic() - start))))
+    states = []
+    for r in reqs:
+        st = RequestState(r)
+        st.record_tokens(np.array(times[f"r{r.id}"]))
+        st.status, st.finish_time = Status.FINISHED, st.token_times[-1][-1]
+        states.append(st)
+    return states, time.monotonic() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=40)
@@ -72,9 +108,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small profiling grid")
+    ap.add_argument("--instances", type=int, default=1)
+    ap.add_argument("--policy", default="vllm")
+    ap.add_argument("--link-gbps", type=float, default=8.0, help="modelled KV link (Ray object store)")
     args = ap.parse_args()
     cfg = EngineConfig(dtype=args.dtype, kv_cache_memory_mb=256, enable_prefix_caching=False)
     engine = LLMEngine.from_path(None, cfg)
+    if args.instances > 1:
+        import torch
+
+        torch.set_num_threads(1)  # each Ray actor runs one thread
     print(f"machine: {platform.processor() or platform.machine()}; model {engine.model_name} {args.dtype}")
     t = time.perf_counter()
     prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size,
@@ -84,13 +127,26 @@ def main() -> None:
     print(f"profiled in {time.perf_counter() - t:.0f} s; engine overhead {prof['engine_overhead_s'] * 1e3:.2f} ms/step; fit error {', '.join(f'{k} {v:.0%}' for k, v in cost.fit_error.items())}")
     reqs = workload(args.requests, args.rate, args.max_input, args.max_output, args.seed)
 
-    policy = build_policy("vllm", PolicyOptions(num_instances=1, chunk_size=cfg.max_num_batched_tokens,
-                                                max_num_seqs=cfg.max_num_seqs))
-    sim = Simulator(reqs, policy, cost, Topology(1, _NoLink(), _NoLink()), block_size=cfg.block_size).run()
+    opts = PolicyOptions(num_instances=args.instances, chunk_size=cfg.max_num_batched_tokens,
+                         max_num_seqs=cfg.max_num_seqs)
+    link = Link(args.link_gbps * 1e9 / 8, 2e-3) if args.instances > 1 else _NoLink()
+    sim = Simulator(reqs, build_policy(args.policy, opts), cost, Topology(1, link, link),
+                    block_size=cfg.block_size).run()
     simulated = summarize(sim.states, policy="simulated")
-    states, wall = run_real(engine, reqs)
+    if args.instances > 1:
+        import ray
+
+        from flowyard.runtime.ray_cluster import RayCluster
+
+        ray.init(num_cpus=args.instances, include_dashboard=False, log_to_driver=False)
+        cluster = RayCluster(None, build_policy(args.policy, opts), dataclasses.replace(cfg, threads=1))
+        states, wall = run_ray(cluster, reqs)
+        cluster.shutdown()
+        ray.shutdown()
+    else:
+        states, wall = run_real(engine, reqs)
     real = summarize(states, policy="real")
-    print(f"\n{len(reqs)} requests of azure-conv, Poisson {args.rate} req/s, prompts <= {args.max_input}, "
+    print(f"\n{args.policy} on {args.instances} instance(s); {len(reqs)} requests of azure-conv, Poisson {args.rate} req/s, prompts <= {args.max_input}, "
           f"outputs <= {args.max_output}; real run {wall:.0f} s")
     print(f"{'metric':<22} {'real':>10} {'simulated':>10} {'rel. error':>10}")
     rows = [("TTFT p50 (ms)", real.ttft["p50"], simulated.ttft["p50"], 1e3),
