@@ -29,6 +29,18 @@ from flowyard.sim.simulator import Simulator
 from flowyard.workloads import clip, load_trace, retime
 
 
+# A second engine decoding a batch forever on one thread: the neighbour an instance has when
+# several share this machine's cores and memory bus.
+NEIGHBOUR = """
+import torch; torch.set_num_threads(1)
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.sampling import SamplingParams
+e = LLMEngine.from_path(None, EngineConfig(kv_cache_memory_mb=128))
+while True:
+    e.generate([[100 + i] * 64 for i in range(8)], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+"""
+
+
 class _NoLink:
     def transfer_time(self, nbytes: float) -> float:
         return 0.0
@@ -110,6 +122,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small profiling grid")
     ap.add_argument("--instances", type=int, default=1)
     ap.add_argument("--policy", default="vllm")
+    ap.add_argument("--contended-profile", action="store_true",
+                    help="profile while another engine process decodes (instances share cores here)")
     ap.add_argument("--link-gbps", type=float, default=8.0, help="modelled KV link (Ray object store)")
     args = ap.parse_args()
     cfg = EngineConfig(dtype=args.dtype, kv_cache_memory_mb=256, enable_prefix_caching=False)
@@ -120,9 +134,19 @@ def main() -> None:
         torch.set_num_threads(1)  # each Ray actor runs one thread
     print(f"machine: {platform.processor() or platform.machine()}; model {engine.model_name} {args.dtype}")
     t = time.perf_counter()
+    neighbour = None
+    if args.contended_profile:
+        import subprocess
+        import sys
+
+        neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        time.sleep(8)  # let it load and start decoding
     prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size,
                        grid=default_grid(quick=args.quick), repeats=3, name=engine.model_name)
     prof["engine_overhead_s"] = measure_engine_overhead(engine)
+    if neighbour is not None:
+        neighbour.kill()
     cost = ProfiledCostModel(prof, kv_capacity_tokens=engine.kv.capacity_tokens)
     print(f"profiled in {time.perf_counter() - t:.0f} s; engine overhead {prof['engine_overhead_s'] * 1e3:.2f} ms/step; fit error {', '.join(f'{k} {v:.0%}' for k, v in cost.fit_error.items())}")
     reqs = workload(args.requests, args.rate, args.max_input, args.max_output, args.seed)

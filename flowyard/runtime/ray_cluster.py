@@ -41,12 +41,18 @@ class EngineActor:
                                 role=Role(role), batch=BatchConfig(**batch),
                                 ids=itertools.count(instance * ID_STRIDE), t0=t0)
         self.pending: list[tuple[Any, list]] = []  # migrations whose KV arrived before the room
+        self.rejected: list[RequestOutput] = []  # adds refused here, reported with the next step
 
     def info(self) -> tuple[str, int]:
         return self.engine.model_name, self.engine.max_model_len
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, slo: SLO | None) -> None:
-        self.engine.add_request(rid, prompt, params, slo)
+        """Called without waiting for the result (so the driver never blocks on a busy
+        instance); a refusal comes back with the next step's outputs."""
+        try:
+            self.engine.add_request(rid, prompt, params, slo)
+        except ValueError as e:
+            self.rejected.append(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
 
     def abort(self, rid: str) -> None:
         t = self.engine._by_str.get(rid)
@@ -54,9 +60,11 @@ class EngineActor:
             self.pending = [(st, kv) for st, kv in self.pending if st.id != t.state.id]
         self.engine.abort(rid)
 
-    def step(self) -> tuple[list[RequestOutput], list[int], InstanceSnapshot, bool]:
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        handoffs = [st.id for st in self.engine.handoffs]
+    def step(self) -> tuple[list[RequestOutput], list[tuple[str, Any]], InstanceSnapshot, bool]:
+        outputs, self.rejected = self.rejected, []
+        if self.engine.has_unfinished():
+            outputs += self.engine.step()
+        handoffs = [(self.engine._by_int[st.id].request_id, st) for st in self.engine.handoffs]
         self.engine.handoffs = []
         self._admit()
         return outputs, handoffs, self.engine.scheduler.snapshot(), self.engine.has_unfinished()
@@ -64,12 +72,12 @@ class EngineActor:
     def snapshot(self) -> InstanceSnapshot:
         return self.engine.scheduler.snapshot()
 
-    def hand_off(self, rid: str) -> int | None:
+    def hand_off(self, rid: str) -> Any:
         """Stop running a request here, keeping its KV for a migration (any token position)."""
         t = self.engine._by_str.get(rid)
-        if t is None or self.engine.scheduler.hand_off(t.state.id) is None:
+        if t is None:
             return None
-        return t.state.id
+        return self.engine.scheduler.hand_off(t.state.id)
 
     def take(self, req_id: int, chunk_blocks: int = 16) -> tuple[dict, list]:
         """Give up a handed-off request: its record and its KV blocks, in chunks of
@@ -89,8 +97,12 @@ class EngineActor:
                   "detok": (t.detok.ids, t.detok.prefix_offset, t.detok.read_offset, t.detok.text)}
         return record, kv
 
-    def put(self, record: dict, kv: Any) -> None:
+    def put(self, payload: tuple[dict, list]) -> None:
+        """Take in a migrated request (the result of the source's `take`, passed by reference
+        so the driver never waits for either side)."""
         import torch
+
+        record, kv = payload
 
         from flowyard.engine.llm_engine import _Tracked
         from flowyard.engine.tokenizer import IncrementalDetokenizer
@@ -158,6 +170,7 @@ class RayCluster(ClusterBase):
         self._inputs: dict[str, tuple[list[int], SamplingParams, SLO | None]] = {}  # until 1st token
         self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
         self._inflight: dict[int, Any] = {}  # instance -> ObjectRef of the step it is running
+        self._sent_during_step: set[int] = set()  # got work after its in-flight step started
         self.migrations = 0
         self.failures = 0
 
@@ -183,17 +196,19 @@ class RayCluster(ClusterBase):
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None) -> None:
         dst = self._route(request_id, prompt_ids, params, slo)
-        self._ray.get(self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo))
+        self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo)
         self._where[request_id] = dst
         self._inputs[request_id] = (prompt_ids, params, slo)
-        self._busy[dst] = True
-        self._snaps[dst] = self._ray.get(self.actors[dst].snapshot.remote())
+        self._mark_busy(dst)
+        snap = self._snaps[dst]  # count it in until the instance's next snapshot (vLLM does too)
+        snap.num_waiting += 1
+        snap.waiting_tokens += len(prompt_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         where = self._where.pop(request_id, None)
         if where is None:
             return None
-        self._ray.get(self.actors[where].abort.remote(request_id))
+        self.actors[where].abort.remote(request_id)
         return RequestOutput(request_id, finished=True, finish_reason="abort")
 
     def has_unfinished(self) -> bool:
@@ -226,14 +241,16 @@ class RayCluster(ClusterBase):
             except self._ray.exceptions.RayActorError:
                 outputs += self._instance_died(i)
                 continue
-            self._snaps[i], self._busy[i] = snap, still_busy
+            # Work sent while this step ran is not in its report: stay busy for it.
+            self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
+            self._sent_during_step.discard(i)
             outputs += outs
             for o in outs:
                 self._inputs.pop(o.request_id, None)  # started: its KV now matters
                 if o.finished:
                     self._where.pop(o.request_id, None)
-            for req_id in handoffs:
-                self._hand_off(i, req_id)
+            for rid, st in handoffs:
+                self._hand_off(i, rid, st)
         return outputs
 
     def _instance_died(self, i: int) -> list[RequestOutput]:
@@ -272,21 +289,26 @@ class RayCluster(ClusterBase):
         src = self._where.get(request_id)
         if src is None or src == dst or dst in self._down:
             return False
-        req_id = self._ray.get(self.actors[src].hand_off.remote(request_id))
-        if req_id is None:
+        st = self._ray.get(self.actors[src].hand_off.remote(request_id))
+        if st is None:
             return False
-        self._hand_off(src, req_id, dst)
+        self._hand_off(src, request_id, st, dst)
         return True
 
-    def _hand_off(self, src: int, req_id: int, dst: int | None = None) -> None:
-        record, kv = self._ray.get(self.actors[src].take.remote(req_id))
-        st = record["state"]
+    def _hand_off(self, src: int, request_id: str, st: Any, dst: int | None = None) -> None:
+        """Move a request whose KV sits on `src`: the destination's `put` receives the
+        source's `take` by reference, so neither call blocks the driver."""
         if dst is None:
             dst = self.policy.global_scheduler.route_decode(st, src, self, self.now())
-        self._ray.get(self.actors[dst].put.remote(record, kv))
-        self._where[record["request_id"]] = dst
-        self._busy[dst] = True
+        self.actors[dst].put.remote(self.actors[src].take.remote(st.id))
+        self._where[request_id] = dst
+        self._mark_busy(dst)
         self.migrations += 1
+
+    def _mark_busy(self, i: int) -> None:
+        self._busy[i] = True
+        if i in self._inflight:
+            self._sent_during_step.add(i)
 
     def shutdown(self) -> None:
         for a in self.actors:
