@@ -67,7 +67,7 @@ def run_real(engine: LLMEngine, reqs) -> tuple[list, float]:
             rid = f"r{r.id}"
             engine.add_request(rid, [(r.id * 131 + j) % 40000 + 100 for j in range(r.prompt_len)],
                                SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-            states.append((r.arrival, engine._by_str[rid].state))
+            states.append((r.arrival, engine.tracked(rid).state))
             i += 1
         if engine.has_unfinished():
             engine.step()

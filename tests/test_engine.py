@@ -130,11 +130,11 @@ def test_kv_export_import_continues_on_another_engine(tiny):
     a.add_request("r", PROMPTS[1], GREEDY)
     for _ in range(6):
         a.step()
-    st = a._by_str["r"].state
+    st = a.tracked("r").state
     blocks = a.kv.block_table(st.id)
     data = a.runner.export_kv(blocks)
     b.add_request("r", PROMPTS[1], GREEDY)
-    st_b = b._by_str["r"].state
+    st_b = b.tracked("r").state
     b.scheduler.abort(st_b.id)  # replace the fresh copy by the migrated one
     st_b.num_computed, st_b.num_output = st.num_computed, st.num_output
     st_b.output_tokens, st_b.token_times = list(st.output_tokens), list(st.token_times)
@@ -142,7 +142,7 @@ def test_kv_export_import_continues_on_another_engine(tiny):
     assert b.scheduler.admit_migrations(b.now()) == [st_b]
     b.runner.import_kv(b.kv.block_table(st_b.id)[: len(blocks)], data)
     b.scheduler.migration_arrived(st_b, b.now())
-    b._by_str["r"].emitted_tokens = st.num_output  # those were streamed by the first engine
+    b.tracked("r").emitted_tokens = st.num_output  # those were streamed by the first engine
     produced = list(st.output_tokens)
     while b.has_unfinished():
         for o in b.step():

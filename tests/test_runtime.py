@@ -84,7 +84,7 @@ def test_decode_kv_pressure_waits_for_room_and_abort_mid_migration_frees_source(
         cluster.step()
     assert cluster._kv_home, "no migration had to wait"
     waiting = next(rid for rid, inst in cluster._where.items()
-                   if cluster.engines[inst]._by_str[rid].state.id in cluster._kv_home)
+                   if cluster.engines[inst].tracked(rid).state.id in cluster._kv_home)
     assert cluster.abort(waiting).finish_reason == "abort"
     while cluster.has_unfinished():
         cluster.step()
@@ -101,7 +101,7 @@ def test_migrate_at_any_token_keeps_the_tokens(tiny, where):
                            EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16))
     cluster.add_request("m", prompt, GREEDY)
     src = cluster._where["m"]
-    st = cluster.engines[src]._by_str["m"].state
+    st = cluster.engines[src].tracked("m").state
     reached = {"mid-prefill": lambda: 0 < st.num_computed < len(prompt),
                "prefill-end": lambda: st.num_output == 1,
                "mid-decode": lambda: st.num_output == 7}[where]

@@ -60,7 +60,7 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
-class _Tracked:
+class TrackedRequest:
     """Engine-side bookkeeping of one request: its params, detokeniser and stop handling."""
 
     request_id: str
@@ -107,8 +107,8 @@ class LLMEngine:
         self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._ids = ids if ids is not None else itertools.count()
-        self._by_int: dict[int, _Tracked] = {}
-        self._by_str: dict[str, _Tracked] = {}
+        self._by_int: dict[int, TrackedRequest] = {}
+        self._by_str: dict[str, TrackedRequest] = {}
         self._t0 = t0 if t0 is not None else time.monotonic()
         self.eos = tuple(tokenizer.eos_token_ids)
 
@@ -142,7 +142,7 @@ class LLMEngine:
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator().manual_seed(params.seed)
-        t = _Tracked(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
+        t = TrackedRequest(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
         self._by_int[rid] = t
         self._by_str[request_id] = t
         if not self.scheduler.add_request(t.state, req.arrival):
@@ -158,7 +158,27 @@ class LLMEngine:
         return RequestOutput(request_id, finished=True, finish_reason="abort",
                              prompt_tokens=t.state.req.prompt_len, completion_tokens=t.state.num_output)
 
-    def _forget(self, t: _Tracked) -> None:
+    # -- moving requests between engines (the runtimes' migrations) ------------------------
+    def tracked(self, request_id: str) -> TrackedRequest | None:
+        """The engine-side record of a request (its state, params and stream position)."""
+        return self._by_str.get(request_id)
+
+    def tracked_by_id(self, req_id: int) -> TrackedRequest:
+        return self._by_int[req_id]
+
+    def detach(self, req_id: int) -> TrackedRequest:
+        """Stop tracking a request whose record moves to another engine (its KV moves
+        separately, through the schedulers' hand-off/migration calls)."""
+        t = self._by_int.pop(req_id)
+        del self._by_str[t.request_id]
+        return t
+
+    def attach(self, t: TrackedRequest) -> None:
+        """Track a request arriving from another engine, keeping its int id and stream state."""
+        self._by_int[t.state.id] = t
+        self._by_str[t.request_id] = t
+
+    def _forget(self, t: TrackedRequest) -> None:
         self._by_int.pop(t.state.id, None)
         self._by_str.pop(t.request_id, None)
 
@@ -203,7 +223,7 @@ class LLMEngine:
                 self._forget(t)
         return outputs
 
-    def _check_stop(self, t: _Tracked, tok: int) -> bool:
+    def _check_stop(self, t: TrackedRequest, tok: int) -> bool:
         """Stop on EOS (unless ignore_eos), a stop token id, or a stop string in the text."""
         p = t.params
         t.text += t.detok.push(tok)
@@ -219,7 +239,7 @@ class LLMEngine:
                 return True
         return False
 
-    def _output(self, t: _Tracked, done: bool) -> RequestOutput:
+    def _output(self, t: TrackedRequest, done: bool) -> RequestOutput:
         st = t.state
         if done:
             end = len(t.text)

@@ -65,7 +65,7 @@ class LocalCluster(ClusterBase):
         if where is None:
             return None
         engine = self.engines[where]
-        tracked = engine._by_str.get(request_id)
+        tracked = engine.tracked(request_id)
         if tracked is not None and tracked.state.id in self._kv_home:  # KV still at the source
             self.engines[self._kv_home.pop(tracked.state.id)].scheduler.abort(tracked.state.id)
         return engine.abort(request_id)
@@ -104,7 +104,7 @@ class LocalCluster(ClusterBase):
         if where is None or where == dst:
             return False
         src = self.engines[where]
-        tracked = src._by_str.get(request_id)
+        tracked = src.tracked(request_id)
         if tracked is None or src.scheduler.hand_off(tracked.state.id) is None:
             return False
         self._move(src, self.engines[dst], tracked.state)
@@ -117,10 +117,8 @@ class LocalCluster(ClusterBase):
         self._move(src, dst, st)
 
     def _move(self, src: LLMEngine, dst: LLMEngine, st: RequestState) -> None:
-        tracked = src._by_int.pop(st.id)
-        del src._by_str[tracked.request_id]
-        dst._by_int[st.id] = tracked
-        dst._by_str[tracked.request_id] = tracked
+        tracked = src.detach(st.id)
+        dst.attach(tracked)
         self._where[tracked.request_id] = dst.instance
         self._kv_home[st.id] = src.instance
         dst.scheduler.add_migration(st, self.now())

@@ -55,7 +55,7 @@ class EngineActor:
             self.rejected.append(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
 
     def abort(self, rid: str) -> None:
-        t = self.engine._by_str.get(rid)
+        t = self.engine.tracked(rid)
         if t is not None:
             self.pending = [(st, kv) for st, kv in self.pending if st.id != t.state.id]
         self.engine.abort(rid)
@@ -64,7 +64,7 @@ class EngineActor:
         outputs, self.rejected = self.rejected, []
         if self.engine.has_unfinished():
             outputs += self.engine.step()
-        handoffs = [(self.engine._by_int[st.id].request_id, st) for st in self.engine.handoffs]
+        handoffs = [(self.engine.tracked_by_id(st.id).request_id, st) for st in self.engine.handoffs]
         self.engine.handoffs = []
         self._admit()
         return outputs, handoffs, self.engine.scheduler.snapshot(), self.engine.has_unfinished()
@@ -74,7 +74,7 @@ class EngineActor:
 
     def hand_off(self, rid: str) -> Any:
         """Stop running a request here, keeping its KV for a migration (any token position)."""
-        t = self.engine._by_str.get(rid)
+        t = self.engine.tracked(rid)
         if t is None:
             return None
         return self.engine.scheduler.hand_off(t.state.id)
@@ -85,8 +85,7 @@ class EngineActor:
         import ray
 
         e = self.engine
-        t = e._by_int.pop(req_id)
-        del e._by_str[t.request_id]
+        t = e.detach(req_id)
         st = t.state
         table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
         kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
@@ -104,7 +103,7 @@ class EngineActor:
 
         record, kv = payload
 
-        from flowyard.engine.llm_engine import _Tracked
+        from flowyard.engine.llm_engine import TrackedRequest
         from flowyard.engine.tokenizer import IncrementalDetokenizer
 
         e = self.engine
@@ -115,10 +114,9 @@ class EngineActor:
         if record["generator"] is not None:
             gen = torch.Generator()
             gen.set_state(record["generator"])
-        t = _Tracked(record["request_id"], st, record["params"], detok, gen, text=record["text"],
+        t = TrackedRequest(record["request_id"], st, record["params"], detok, gen, text=record["text"],
                      emitted=record["emitted"], emitted_tokens=record["emitted_tokens"])
-        e._by_int[st.id] = t
-        e._by_str[t.request_id] = t
+        e.attach(t)
         e.scheduler.add_migration(st, e.now())
         self.pending.append((st, kv))
         self._admit()
