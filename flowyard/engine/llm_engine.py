@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -71,9 +71,7 @@ class TrackedRequest:
     text: str = ""
     emitted: int = 0  # characters of text already streamed
     emitted_tokens: int = 0
-    stop_hit: bool = False
     finish_reason: str | None = None
-    banned: tuple[int, ...] = field(default_factory=tuple)
 
 
 class LLMEngine:
@@ -201,11 +199,9 @@ class LLMEngine:
             return []
         logits, samplers = self.runner.execute(plan)
         tracked = [self._by_int[s.id] for s in samplers]
-        for t in tracked:
-            n = t.state.num_output
-            t.banned = self.eos + t.params.stop_token_ids if n < t.params.min_tokens else ()
-        tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked],
-                        [t.banned for t in tracked])
+        banned = [self.eos + t.params.stop_token_ids if t.state.num_output < t.params.min_tokens else ()
+                  for t in tracked]  # EOS and stop ids may not end a request before min_tokens
+        tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked], banned)
         stopped = set()
         for t, tok in zip(tracked, tokens):
             if self._check_stop(t, tok):
@@ -235,7 +231,6 @@ class LLMEngine:
             if idx != -1:
                 t.text = t.text[:idx]
                 t.finish_reason = "stop"
-                t.stop_hit = True
                 return True
         return False
 

@@ -3,7 +3,7 @@ the shared KV manager, runs the operator-step forward pass and samples."""
 
 from __future__ import annotations
 
-from typing import Callable, Generator
+from typing import Generator
 
 import torch
 
@@ -102,5 +102,3 @@ class ModelRunner:
     def import_kv(self, blocks: list[int], data: torch.Tensor) -> None:
         self.kv_cache[:, :, blocks] = data.to(self.kv_cache.dtype)
 
-
-OnStep = Callable[[StepPlan, float], None]

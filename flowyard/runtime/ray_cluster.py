@@ -46,6 +46,9 @@ class EngineActor:
     def info(self) -> tuple[str, int]:
         return self.engine.model_name, self.engine.max_model_len
 
+    def tokenizer(self):
+        return self.engine.tokenizer
+
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, slo: SLO | None) -> None:
         """Called without waiting for the result (so the driver never blocks on a busy
         instance); a refusal comes back with the next step's outputs."""
@@ -157,10 +160,9 @@ class RayCluster(ClusterBase):
         infos = ray.get([a.info.remote() for a in self.actors])
         self.model_name = infos[0][0]
         self.max_model_len = min(i[1] for i in infos)
-        from flowyard.engine.loader import load_checkpoint  # the driver tokenises prompts
-        from flowyard.engine.embedded import embedded_model_path
-
-        self.tokenizer = load_checkpoint(model or embedded_model_path()).tokenizer
+        # The driver tokenises prompts: it takes the tokenizer from an actor rather than
+        # loading (and dequantising) the whole checkpoint a second time.
+        self.tokenizer = ray.get(self.actors[0].tokenizer.remote())
         self._t0 = t0
         self._snaps = ray.get([a.snapshot.remote() for a in self.actors])
         self._busy = [False] * len(self.actors)
