@@ -28,89 +28,86 @@ def drive(engine):
     return [got[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-def test_distserve_on_two_ray_actors_gives_the_same_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model directory (what actors load) and an in-process engine on it (the reference)."""
     pytest.importorskip("transformers")
-    from flowyard.runtime.ray_cluster import RayCluster
-
-    d, _ = make_tiny_model(tmp_path, "llama")
+    d, _ = make_tiny_model(tmp_path_factory.mktemp("ray"), "llama")
     ckpt = load_checkpoint(d)
     model = CausalLM(ckpt.config)
     model.load_weights(ckpt.weights)
-    ref = drive(LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096)))
+    return str(d), lambda: LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cluster = RayCluster(str(d), build_policy("distserve", PolicyOptions(num_instances=2)),
-                             EngineConfig(kv_cache_tokens=2048))
-        assert drive(cluster) == ref
-        assert cluster.migrations == len(PROMPTS)
-        snaps = [ray.get(a.snapshot.remote()) for a in cluster.actors]
-        assert all(s.kv_free_blocks == s.kv_total_blocks for s in snaps)  # KV back to full
-        cluster.shutdown()
-    finally:
-        ray.shutdown()
+    yield
+    ray.shutdown()
 
 
-def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tmp_path):
-    pytest.importorskip("transformers")
+def test_distserve_on_two_ray_actors_gives_the_same_tokens(tiny, ray_session):
     from flowyard.runtime.ray_cluster import RayCluster
 
-    d, _ = make_tiny_model(tmp_path, "llama")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cluster = RayCluster(str(d), build_policy("round-robin", PolicyOptions(num_instances=2)),
-                             EngineConfig(kv_cache_tokens=2048))
-        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        for i, p in enumerate(PROMPTS):
-            cluster.add_request(f"r{i}", p, long)  # r0, r2 on instance 0; r1, r3 on 1
-        for _ in range(3):
-            cluster.step()
-        ray.kill(cluster.actors[1], no_restart=True)
-        ends = {}
-        for _ in range(10_000):
-            if not cluster.has_unfinished():
-                break
-            for o in cluster.step():
-                if o.finished:
-                    ends[o.request_id] = (o.finish_reason, o.error)
-        assert ends["r0"][0] == ends["r2"][0] == "length"  # the survivor finished its own
-        assert ends["r1"][0] == ends["r3"][0] == "error" and "died" in ends["r1"][1]
-        assert cluster.failures == 1 and "instance 1 is down" in cluster.health_detail
-        ray.get(cluster.actors[1].info.remote())  # the replacement loads ...
+    d, reference = tiny
+    ref = drive(reference())
+    cluster = RayCluster(d, build_policy("distserve", PolicyOptions(num_instances=2)),
+                         EngineConfig(kv_cache_tokens=2048))
+    assert drive(cluster) == ref
+    assert cluster.migrations == len(PROMPTS)
+    snaps = [ray.get(a.snapshot.remote()) for a in cluster.actors]
+    assert all(s.kv_free_blocks == s.kv_total_blocks for s in snaps)  # KV back to full
+    cluster.shutdown()
+
+
+def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tiny, ray_session):
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = tiny
+    cluster = RayCluster(d, build_policy("round-robin", PolicyOptions(num_instances=2)),
+                         EngineConfig(kv_cache_tokens=2048))
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        cluster.add_request(f"r{i}", p, long)  # r0, r2 on instance 0; r1, r3 on 1
+    for _ in range(3):
         cluster.step()
-        assert cluster.health_detail == ""  # ... and rejoins
-        assert drive(cluster)[0]  # new work is served again, on both instances
-        cluster.shutdown()
-    finally:
-        ray.shutdown()
+    ray.kill(cluster.actors[1], no_restart=True)
+    ends = {}
+    for _ in range(10_000):
+        if not cluster.has_unfinished():
+            break
+        for o in cluster.step():
+            if o.finished:
+                ends[o.request_id] = (o.finish_reason, o.error)
+    assert ends["r0"][0] == ends["r2"][0] == "length"  # the survivor finished its own
+    assert ends["r1"][0] == ends["r3"][0] == "error" and "died" in ends["r1"][1]
+    assert cluster.failures == 1 and "instance 1 is down" in cluster.health_detail
+    ray.get(cluster.actors[1].info.remote())  # the replacement loads ...
+    cluster.step()
+    assert cluster.health_detail == ""  # ... and rejoins
+    assert drive(cluster)[0]  # new work is served again, on both instances
+    cluster.shutdown()
 
 
-def test_migrate_between_actors_at_any_token(tmp_path):
+def test_migrate_between_actors_at_any_token(tiny, ray_session):
     """Mid-prefill, at prefill end and mid-decode, KV in chunks through the object store."""
-    pytest.importorskip("transformers")
     from flowyard.runtime.ray_cluster import RayCluster
 
-    d, _ = make_tiny_model(tmp_path, "llama")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
+    d, reference = tiny
     prompt = PROMPTS[2]
-    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096)).generate([prompt], GREEDY)[0]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        cluster = RayCluster(str(d), build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
-                             EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16, block_size=4))
-        for k, steps in enumerate([2, 5, 11]):  # mid-prefill (32 of 70), prefill end, mid-decode
-            rid = f"m{k}"
-            cluster.add_request(rid, prompt, GREEDY)
-            src = cluster._where[rid]
-            tokens = []
-            for _ in range(steps):
-                tokens += [t for o in cluster.step() for t in o.new_token_ids]
-            assert cluster.migrate(rid, 1 - src)
-            while cluster.has_unfinished():
-                tokens += [t for o in cluster.step() for t in o.new_token_ids]
-            assert tokens == ref.new_token_ids, k
-        assert cluster.migrations == 3
-        cluster.shutdown()
-    finally:
-        ray.shutdown()
+    ref = reference().generate([prompt], GREEDY)[0]
+    cluster = RayCluster(d, build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
+                         EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16, block_size=4))
+    for k, steps in enumerate([2, 5, 11]):  # mid-prefill (32 of 70), prefill end, mid-decode
+        rid = f"m{k}"
+        cluster.add_request(rid, prompt, GREEDY)
+        src = cluster._where[rid]
+        tokens = []
+        for _ in range(steps):
+            tokens += [t for o in cluster.step() for t in o.new_token_ids]
+        assert cluster.migrate(rid, 1 - src)
+        while cluster.has_unfinished():
+            tokens += [t for o in cluster.step() for t in o.new_token_ids]
+        assert tokens == ref.new_token_ids, k
+    assert cluster.migrations == 3
+    cluster.shutdown()
