@@ -34,6 +34,18 @@ from flowyard.workloads.loaders import (
     load_vidur,
     read_text,
 )
+from flowyard.workloads.multitask import (
+    QWENTRACE_TASKS,
+    QWENTRACE_TTFT_SLO,
+    ShiftedWeibull,
+    TaskStats,
+    fit_shifted_weibull,
+    qwentrace_like,
+    sample_prompt_lens,
+    scale_slo,
+    task_length_dist,
+    task_slos,
+)
 from flowyard.workloads.transforms import (
     assign_tasks,
     clip,
@@ -54,4 +66,6 @@ __all__ = [
     "load_vidur", "make_arrivals", "multi_turn_sessions", "normalize", "parse_slo_by_length",
     "poisson_arrivals", "read_text", "retime", "scale_rate", "slo_by_length", "slo_by_task",
     "trace_file", "with_slo",
+    "QWENTRACE_TASKS", "QWENTRACE_TTFT_SLO", "ShiftedWeibull", "TaskStats", "fit_shifted_weibull",
+    "qwentrace_like", "sample_prompt_lens", "scale_slo", "task_length_dist", "task_slos",
 ]
