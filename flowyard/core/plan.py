@@ -73,11 +73,18 @@ class StepPlan:
     max_repeats > 1 is the scheduler's promise that, if no event reaches the instance, it
     would schedule the same decode-only batch (each context one token longer) that many
     times; KV for all of them is already reserved. An executor may run fewer steps.
+
+    preempt_stride > 0 makes the step preemptible (FlowPrefill): the executor may suspend it
+    after any operator whose 1-based index is a multiple of the stride (1: every operator
+    boundary, 5: every layer) and later resume it. ops_done counts the operators already
+    executed, so a resumed plan continues where it stopped instead of starting over.
     """
 
     prefills: list[PrefillSlice] = field(default_factory=list)
     decodes: list[RequestState] = field(default_factory=list)
     max_repeats: int = 1
+    preempt_stride: int = 0
+    ops_done: int = 0
 
     @property
     def empty(self) -> bool:

@@ -52,6 +52,21 @@ class CostModel(ABC):
         out.update(self.step_overhead(shape))
         return out
 
+    def op_boundaries(self, shape: BatchShape) -> np.ndarray:
+        """Seconds from the start of a step to the end of each of its num_layers * 5 layer
+        operators, in execution order (the FlowPrefill preemption points), plus a last entry
+        for the end of the step. Embedding and per-step overhead run before the first
+        operator, lm_head after the last; a layer's TP collectives follow o_proj and down_proj."""
+        layer = self.layer_op_times(shape)
+        per_op = np.array([float(layer[op]) for op in LAYER_OPS])
+        ar = float(layer.get("allreduce", 0.0)) / 2
+        per_op[2] += ar
+        per_op[4] += ar
+        step = self.step_overhead(shape)
+        head = float(step.get("embed", 0.0)) + float(step.get("overhead", 0.0))
+        ends = head + np.cumsum(np.tile(per_op, self.num_layers))
+        return np.append(ends, ends[-1] + float(step.get("lm_head", 0.0)))
+
     def step_time(self, shape: BatchShape) -> Seconds:
         total: Seconds = 0.0
         for v in self.op_times(shape).values():

@@ -189,7 +189,7 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return self.scheduler.num_running
 
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()

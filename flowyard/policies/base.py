@@ -96,6 +96,17 @@ class LocalScheduler(ABC):
         """The executor will run only `steps` (< plan.max_repeats) of `plan`; release whatever
         was reserved for the rest. Default: nothing was reserved."""
 
+    def preempt_check(self, now: float) -> bool:
+        """An event (an arrival) reached this instance while it runs a preemptible plan: True
+        asks the executor to suspend that plan at its next preemption boundary, then to call
+        `suspend` and `schedule`. Schedulers without preemption never ask."""
+        return False
+
+    def suspend(self, plan: StepPlan, ops_done: int, now: float) -> None:
+        """The executor stopped `plan` after `ops_done` operators; it may come back from
+        `schedule` later (with plan.ops_done set) to be resumed."""
+        raise NotImplementedError(f"{type(self).__name__} does not preempt running steps")
+
     @abstractmethod
     def add_migration(self, state: RequestState, now: float) -> None:
         """A request whose KV lives on another instance wants to continue here."""

@@ -81,6 +81,10 @@ class BatchScheduler(LocalScheduler):
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def add_request(self, state: RequestState, now: float) -> bool:
         need = state.req.prompt_len + 1
         if need > self.max_model_len:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 from flowyard.core.kvcache import KVCacheManager
+from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
+from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
-from flowyard.policies.routers import DistServeDispatch, LeastLoad, RoundRobin, VllmDataParallel
+from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
+                                       VllmDataParallel)
+
+SchedulerFactory = Callable[[int, Role, KVCacheManager], LocalScheduler]
 
 
 class UnknownPolicyError(ValueError):
@@ -23,6 +29,11 @@ class PolicyOptions:
     num_prefill: int | None = None  # static PD splits; default half
     chunk_size: int | None = None  # override the policy's token budget
     max_num_seqs: int = 256
+    # What SLO-aware policies predict step and TTFT times with: the simulator's cost model (or
+    # a deliberately wrong copy), or a profile of the real engine. Policies that need one
+    # refuse to build without it.
+    predictor: CostModel | None = None
+    flowprefill: FlowPrefillConfig | None = None  # override FlowPrefill's knobs (ablations)
 
 
 @dataclass
@@ -33,10 +44,22 @@ class Policy:
     global_scheduler: GlobalScheduler
     roles: list[Role]
     configs: dict[Role, BatchConfig] = field(default_factory=dict)
+    # Roles whose local scheduler is not a BatchScheduler (FlowPrefill's prefill instances).
+    schedulers: dict[Role, SchedulerFactory] = field(default_factory=dict)
 
-    def make_local(self, instance: int, kv: KVCacheManager) -> LocalScheduler:
+    def make_local(self, instance: int, kv: KVCacheManager, *, max_model_len: int | None = None,
+                   single_step: bool = False) -> LocalScheduler:
+        """The local scheduler of `instance`. A real engine passes its context limit and
+        single_step (it never takes up a multi-step decode promise)."""
         role = self.roles[instance]
-        return BatchScheduler(instance, role, kv, self.configs[role])
+        if role in self.schedulers:
+            return self.schedulers[role](instance, role, kv)
+        cfg = self.configs[role]
+        if max_model_len is not None:
+            cfg = dataclasses.replace(cfg, max_model_len=max_model_len)
+        if single_step:
+            cfg = dataclasses.replace(cfg, max_repeats=1)
+        return BatchScheduler(instance, role, kv, cfg)
 
 
 def _colocated(router: Callable[[], GlobalScheduler]) -> Callable[[str, PolicyOptions], Policy]:
@@ -47,25 +70,46 @@ def _colocated(router: Callable[[], GlobalScheduler]) -> Callable[[str, PolicyOp
     return build
 
 
+def _pd_roles(name: str, o: PolicyOptions) -> list[Role]:
+    n = o.num_instances
+    p = o.num_prefill if o.num_prefill is not None else n // 2
+    if n < 2 or not 1 <= p < n:
+        raise ValueError(
+            f"{name} needs at least one prefill and one decode instance "
+            f"(--instances {n}, --prefill-instances {p})"
+        )
+    return [Role.PREFILL] * p + [Role.DECODE] * (n - p)
+
+
 def _distserve(chunk: int | None, order: str) -> Callable[[str, PolicyOptions], Policy]:
     def build(name: str, o: PolicyOptions) -> Policy:
-        n = o.num_instances
-        p = o.num_prefill if o.num_prefill is not None else n // 2
-        if n < 2 or not 1 <= p < n:
-            raise ValueError(
-                f"{name} needs at least one prefill and one decode instance "
-                f"(--instances {n}, --prefill-instances {p})"
-            )
+        roles = _pd_roles(name, o)
         budget = o.chunk_size or chunk or 8192
         prefill = BatchConfig(
             max_num_batched_tokens=budget, chunked_prefill=chunk is not None or o.chunk_size is not None,
             order=order, max_num_seqs=o.max_num_seqs,
         )
         decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
-        roles = [Role.PREFILL] * p + [Role.DECODE] * (n - p)
         return Policy(name, DistServeDispatch(), roles, {Role.PREFILL: prefill, Role.DECODE: decode})
 
     return build
+
+
+def _flowprefill(name: str, o: PolicyOptions) -> Policy:
+    """FlowPrefill (§4): PD disaggregation; prefill instances run S-EDF with operator-level
+    preemption, decode instances FCFS continuous batching; the proxy routes round robin."""
+    roles = _pd_roles(name, o)
+    if o.predictor is None:
+        raise ValueError(f"{name} needs a TTFT predictor (PolicyOptions.predictor: a cost model "
+                         "or a profile of the engine)")
+    fp = o.flowprefill or FlowPrefillConfig(chunk_size=o.chunk_size, max_num_seqs=o.max_num_seqs)
+    predictor = o.predictor
+
+    def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+        return FlowPrefillScheduler(instance, role, kv, fp, predictor)
+
+    decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
+    return Policy(name, RoundRobinPD(), roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
 
 
 _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
@@ -75,6 +119,7 @@ _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "distserve": _distserve(None, "fcfs"),
     "distserve-cp2k": _distserve(2048, "edf"),
     "distserve-cp8k": _distserve(8192, "edf"),
+    "flowprefill": _flowprefill,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

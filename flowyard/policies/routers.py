@@ -71,3 +71,20 @@ class DistServeDispatch(GlobalScheduler):
 
     def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
         return _argmin(view, list(view.instances(Role.DECODE)), _decode_load)
+
+
+class RoundRobinPD(DistServeDispatch):
+    """FlowPrefill's proxy: new requests to the prefill instances in turn, whatever their load
+    (§4: load balancing across instances is out of the paper's scope); finished prefills to the
+    decode instance with the most free KV, as DistServe."""
+
+    name = "round-robin-pd"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        ids = list(view.instances(Role.PREFILL))
+        pick = ids[self._next % len(ids)]
+        self._next += 1
+        return pick

@@ -13,7 +13,7 @@ from typing import Callable
 from flowyard.core.metrics import Summary, summarize
 from flowyard.core.request import SLO
 from flowyard.costmodel import Link, get_hardware, make_cost_model
-from flowyard.costmodel.base import CostModel
+from flowyard.costmodel.base import CostModel, with_error
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator
@@ -60,6 +60,7 @@ class SimConfig:
     prefix_caching: bool = False
     profile: str | None = None  # a `flowyard profile` JSON: emulate that engine
     snapshot_staleness: float = 0.0  # seconds; global policies see snapshots this old at most
+    predictor_error: float = 1.0  # SLO-aware policies predict times this factor off the truth
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -67,6 +68,8 @@ class SimConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.snapshot_staleness < 0:
             raise ValueError(f"--snapshot-staleness must be >= 0, got {self.snapshot_staleness}")
+        if not self.predictor_error > 0:
+            raise ValueError(f"--predictor-error must be positive, got {self.predictor_error}")
         if not self.rate_scale > 0:
             raise ValueError(f"--rate-scale must be positive, got {self.rate_scale}")
         if self.duration is not None and not self.duration > 0:
@@ -121,13 +124,15 @@ def simulate(
     w = workload if workload is not None else load_workload(cfg)
     if cfg.rate_scale != 1.0:
         w = scale_rate(w, cfg.rate_scale)
+    cost = cost_model or build_cost_model(cfg)
     opts = PolicyOptions(
         num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
         chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
+        predictor=with_error(cost, cfg.predictor_error),
     )
     policy = build_policy(cfg.policy, opts)
     sim = Simulator(
-        w.requests, policy, cost_model or build_cost_model(cfg), build_topology(cfg),
+        w.requests, policy, cost, build_topology(cfg),
         block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
         snapshot_staleness=cfg.snapshot_staleness,
     )

@@ -45,7 +45,8 @@ class SimulationError(RuntimeError):
 class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
-    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending")
+    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
+                 "suspend_at")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -55,6 +56,8 @@ class SimInstance:
         self.version = 0
         self.busy_s = 0.0
         self.wake_pending = False
+        self.bounds: np.ndarray | None = None  # operator end times of a preemptible plan
+        self.suspend_at = -1  # operators done when a requested preemption takes effect
 
 
 @dataclass
@@ -65,6 +68,8 @@ class SimResult:
     events: int
     steps: int
     instance_busy_s: list[float] = field(default_factory=list)
+    # FlowPrefill: seconds from each preemption signal to the operator boundary that acked it
+    preemption_blocking: list[float] = field(default_factory=list)
 
     @property
     def completed(self) -> list[RequestState]:
@@ -116,6 +121,7 @@ class Simulator:
         self.now = 0.0
         self.steps = 0
         self._done = 0
+        self.preemption_blocking: list[float] = []
 
     # -- ClusterView ---------------------------------------------------------------------
     def instances_of(self, role: Role | None = None) -> list[int]:
@@ -184,6 +190,7 @@ class Simulator:
         return SimResult(
             states=states, sim_time=self.now, wall_s=time.perf_counter() - start,
             events=events, steps=self.steps, instance_busy_s=[i.busy_s for i in self.instances],
+            preemption_blocking=self.preemption_blocking,
         )
 
     # -- handlers ------------------------------------------------------------------------
@@ -196,7 +203,30 @@ class Simulator:
         if not inst.sched.add_request(st, self.now):
             self._done += 1
             return
+        plan = inst.plan
+        if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
+            if inst.sched.preempt_check(self.now):
+                self._preempt(inst, plan)
         self._kick(inst)
+
+    def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:
+        """Suspend inst's plan at the first preemption boundary not before now (the rest of the
+        operator in flight is the blocking time); a plan that ends first just completes."""
+        bounds = inst.bounds
+        assert bounds is not None
+        nops = len(bounds) - 1
+        stride = plan.preempt_stride
+        k = max(int(np.searchsorted(bounds[:nops], self.now, side="left")) + 1, plan.ops_done + 1)
+        k = -(-k // stride) * stride
+        if k >= nops:
+            return
+        t = float(bounds[k - 1])
+        inst.busy_s -= float(inst.ends[-1]) - t
+        inst.ends = np.array([t])
+        inst.suspend_at = k
+        inst.version += 1
+        self.preemption_blocking.append(t - self.now)
+        self._push(t, STEP, (inst, inst.version))
 
     def _reject(self, st: RequestState, reason: str) -> None:
         st.status = Status.REJECTED
@@ -208,6 +238,12 @@ class Simulator:
         assert plan is not None
         ends = inst.ends[:steps]
         inst.plan = None
+        inst.bounds = None
+        if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
+            k, inst.suspend_at = inst.suspend_at, -1
+            inst.sched.suspend(plan, k, self.now)
+            self._kick(inst)
+            return
         self.steps += steps
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
@@ -275,11 +311,16 @@ class Simulator:
             k = min(k, min(d.remaining_output for d in plan.decodes))
             if k < plan.max_repeats:
                 inst.sched.shorten(plan, k)
-        durations = self.cost.step_time(plan.shape(k))
-        if k > 1:  # same additions, in the same order, as stepping one at a time
+        if plan.preempt_stride:  # operator timeline, so a preemption can stop at a boundary
+            rel = self.cost.op_boundaries(plan.shape())
+            start = self.now - (float(rel[plan.ops_done - 1]) if plan.ops_done else 0.0)
+            inst.bounds = start + rel
+            ends = inst.bounds[-1:]
+        elif k > 1:  # same additions, in the same order, as stepping one at a time
+            durations = self.cost.step_time(plan.shape(k))
             ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
         else:
-            ends = np.array([self.now + float(durations)])
+            ends = np.array([self.now + float(self.cost.step_time(plan.shape(k)))])
         inst.plan = plan
         inst.ends = ends
         inst.version += 1

@@ -1,0 +1,312 @@
+"""FlowPrefill's prefill-instance scheduler (FlowPrefill §5, Alg. 1 and 2).
+
+Three pieces, named as in the paper:
+
+- the **Request Queue** Q_w of prompts not yet in any execution task;
+- the **Execution Pool**: at most one running task E and the preempted-task queue Q_p. A task
+  is one batch of prefills run as one `StepPlan` that the executor may suspend at an operator
+  boundary (`StepPlan.preempt_stride`) and resume later without recomputation;
+- the **Scheduler**: event-driven. A round runs only when an event reaches the instance: an
+  arrival (the executor calls `preempt_check`) or a completion or suspension (the executor
+  calls `schedule`). It ranks everything by S-EDF priority, batches the winner with SLO-aware
+  batching if it is a new request, and keeps E the highest-priority task.
+
+Nothing here reads a clock or knows whether the step runs on a GPU or in the simulator: the
+same object drives both executors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
+from flowyard.core.request import RequestState, Status
+from flowyard.costmodel.base import LAYER_OPS, CostModel
+from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.slack import PRIORITIES, TTFTPredictor, priority_key
+
+GRANULARITY_STRIDE = {"operator": 1, "layer": len(LAYER_OPS), "chunk": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPrefillConfig:
+    """priority: "s-edf" (the paper's), "edf" or "d-edf" (the ablation of Fig. 10).
+    batch_token_budget: G of Alg. 1; None batches without a token limit, 0 never batches.
+    granularity: where a running task may be suspended: after any operator, after a whole
+      layer, or only between steps ("chunk", which is preemption by chunked prefill alone).
+    chunk_size: split prompts into chunks of at most this many tokens (§6.5); None runs each
+      prompt whole."""
+
+    priority: str = "s-edf"
+    batch_token_budget: int | None = 4096
+    granularity: str = "operator"
+    chunk_size: int | None = None
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
+        if self.granularity not in GRANULARITY_STRIDE:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITY_STRIDE)}, "
+                             f"got {self.granularity!r}")
+        if self.batch_token_budget is not None and self.batch_token_budget < 0:
+            raise ValueError("batch_token_budget must be >= 0 (or None for no limit)")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError("chunk_size must be positive (or None for whole prompts)")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be positive")
+
+
+@dataclass(eq=False, slots=True)
+class Task:
+    """An execution task: one batch led by its highest-priority request `head` (H)."""
+
+    plan: StepPlan
+    head: RequestState
+    total_ops: int
+    predicted: float  # predicted time of the whole step (the batch latency L of Alg. 1)
+
+    @property
+    def remaining(self) -> float:
+        """Share of the task's operators still to run."""
+        return 1.0 - self.plan.ops_done / self.total_ops
+
+
+@dataclass(slots=True)
+class FlowPrefillStats:
+    rounds: int = 0
+    submits: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    batched: list[int] = field(default_factory=list)  # requests per submitted task
+
+
+class FlowPrefillScheduler(LocalScheduler):
+    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: FlowPrefillConfig,
+                 predictor: CostModel) -> None:
+        if role is not Role.PREFILL:
+            raise ValueError("FlowPrefill schedules prefill instances (PD disaggregation)")
+        self.instance, self.role, self.kv, self.config = instance, role, kv, config
+        self.predict = TTFTPredictor(predictor)
+        self.max_model_len = kv.capacity_tokens
+        self._stride = GRANULARITY_STRIDE[config.granularity]
+        self._ops = predictor.num_layers * len(LAYER_OPS)
+        self.waiting: dict[int, RequestState] = {}  # Q_w, in arrival order
+        self.preempted: list[Task] = []  # Q_p
+        self.executing: Task | None = None  # E
+        self._handed_off: dict[int, RequestState] = {}
+        self._zombies: set[int] = set()  # aborted while inside a task: freed when it ends
+        self.stats = FlowPrefillStats()
+        self._seq = itertools.count()
+
+    # -- priorities ----------------------------------------------------------------------------
+    def _key(self, st: RequestState, now: float, ttft_hat: float) -> tuple:
+        return priority_key(self.config.priority, st.req, now, ttft_hat)
+
+    def _task_key(self, task: Task, now: float) -> tuple:
+        return self._key(task.head, now, task.predicted * task.remaining)
+
+    def _request_key(self, st: RequestState, now: float) -> tuple:
+        return self._key(st, now, self.predict.request(st))
+
+    def _best(self, now: float) -> tuple[tuple, RequestState | Task] | None:
+        """Highest-priority entry of Q_w and Q_p (one pass, no sort)."""
+        best: tuple[tuple, RequestState | Task] | None = None
+        for st in self.waiting.values():
+            k = self._request_key(st, now)
+            if best is None or k < best[0]:
+                best = (k, st)
+        for task in self.preempted:
+            k = self._task_key(task, now)
+            if best is None or k < best[0]:
+                best = (k, task)
+        return best
+
+    # -- the event-driven round (Alg. 2) -------------------------------------------------------
+    def preempt_check(self, now: float) -> bool:
+        """Arrival while E runs: preempt E when something now outranks it (Alg. 2, line 16)."""
+        self.stats.rounds += 1
+        if self.executing is None or self._stride == 0:
+            return False
+        best = self._best(now)
+        return best is not None and best[0] < self._task_key(self.executing, now)
+
+    def suspend(self, plan: StepPlan, ops_done: int, now: float) -> None:
+        task = self.executing
+        assert task is not None and task.plan is plan, "suspend: not the running task"
+        plan.ops_done = ops_done
+        self.executing = None
+        self.preempted.append(task)
+        self.stats.preemptions += 1
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """Completion or suspension left the pool idle: submit or resume the best task."""
+        assert self.executing is None, "schedule() while a task runs"
+        if self.waiting or self.preempted:  # rounds with something to decide
+            self.stats.rounds += 1
+        while True:
+            best = self._best(now)
+            if best is None:
+                return None
+            _, h = best
+            if isinstance(h, Task):
+                self.preempted.remove(h)
+                self.stats.resumes += 1
+                self.executing = h
+                return h.plan
+            task = self._submit(h, now)
+            if task is not None:
+                self.executing = task
+                return task.plan
+            return None  # H's KV does not fit yet: wait for a hand-off to free some
+
+    def _slice(self, st: RequestState) -> int:
+        n = st.uncomputed
+        return n if self.config.chunk_size is None else min(n, self.config.chunk_size)
+
+    def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
+        cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
+        st.num_computed += cached
+        n = min(n, st.uncomputed) if cached else n
+        if not self.kv.allocate(st.id, st.num_computed + n):
+            if cached:
+                self.kv.free(st.id)
+                st.num_computed = 0
+            return False
+        del self.waiting[st.id]
+        st.status = Status.RUNNING
+        plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+        return True
+
+    def _submit(self, head: RequestState, now: float) -> Task | None:
+        """SLO-aware batching (Alg. 1): H plus candidates, in priority order, while H's remaining
+        time covers the predicted batch latency and the batch stays under the token budget G."""
+        plan = StepPlan(preempt_stride=self._stride)
+        if not self._admit(head, self._slice(head), plan):
+            return None
+        budget = self.config.batch_token_budget
+        deadline = head.req.arrival + head.req.slo.ttft if head.req.slo.ttft is not None else float("inf")
+        remain = deadline - now
+        tokens = plan.num_tokens
+        if budget != 0:
+            ranked = sorted(self.waiting.values(), key=lambda r: self._request_key(r, now))
+            for r in ranked:
+                if len(plan.prefills) >= self.config.max_num_seqs:
+                    break
+                n = self._slice(r)
+                if budget is not None and tokens + n >= budget:
+                    continue
+                probe = plan.prefills + [PrefillSlice(r, r.num_computed, n)]
+                if not remain > self.predict.slices(probe):
+                    continue
+                if self._admit(r, n, plan):
+                    tokens = plan.num_tokens
+        self.stats.submits += 1
+        self.stats.batched.append(len(plan.prefills))
+        return Task(plan, head, self._ops, self.predict.step(plan))
+
+    # -- applying results ----------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        task = self.executing
+        assert task is not None and task.plan is plan, "update_from_output: not the running task"
+        self.executing = None
+        result = StepResult()
+        for s in plan.prefills:
+            st = s.state
+            if st.id in self._zombies:
+                self._zombies.discard(st.id)
+                self.kv.free(st.id)
+                continue
+            st.num_computed += s.n
+            self.kv.register(st)
+            if not s.samples:  # a chunk of a longer prompt: back to the queue
+                st.status = Status.WAITING
+                self.waiting[st.id] = st
+                continue
+            st.record_tokens(out.end_times[:1])
+            if out.sampled is not None:
+                st.output_tokens.extend(out.sampled.get(st.id, ()))
+            if st.done or st.id in out.stopped:
+                st.status = Status.FINISHED
+                st.finish_time = float(out.end_times[0])
+                self.kv.free(st.id)
+                result.finished.append(st)
+            else:
+                st.status = Status.MIGRATING
+                self._handed_off[st.id] = st
+                result.handoffs.append(st)
+        return result
+
+    # -- queue management ------------------------------------------------------------------------
+    def add_request(self, state: RequestState, now: float) -> bool:
+        if state.req.prompt_len + 1 > self.max_model_len:
+            state.status = Status.REJECTED
+            state.reject_reason = (f"prompt of {state.req.prompt_len} tokens does not fit this "
+                                   f"instance (max_model_len {self.max_model_len})")
+            return False
+        state.instance = self.instance
+        state.status = Status.WAITING
+        self.waiting[state.id] = state
+        return True
+
+    def add_migration(self, state: RequestState, now: float) -> None:
+        raise ValueError("a FlowPrefill prefill instance does not take migrations")
+
+    def admit_migrations(self, now: float) -> list[RequestState]:
+        return []
+
+    def migration_arrived(self, state: RequestState, now: float) -> None:
+        raise ValueError("a FlowPrefill prefill instance does not take migrations")
+
+    def release(self, req_id: int) -> None:
+        del self._handed_off[req_id]
+        self.kv.free(req_id)
+
+    def _in_task(self, req_id: int) -> RequestState | None:
+        for task in self._tasks():
+            for s in task.plan.prefills:
+                if s.state.id == req_id:
+                    return s.state
+        return None
+
+    def abort(self, req_id: int) -> RequestState | None:
+        st = self.waiting.pop(req_id, None)
+        if st is None:
+            st = self._handed_off.pop(req_id, None)
+        if st is not None:
+            self.kv.free(req_id)
+        else:  # inside a task whose forward pass may still write its KV: free when it ends
+            st = self._in_task(req_id)
+            if st is None or req_id in self._zombies:
+                return None
+            self._zombies.add(req_id)
+        st.status = Status.ABORTED
+        return st
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(t.plan.prefills) for t in self._tasks())
+
+    def _tasks(self) -> list[Task]:
+        return ([self.executing] if self.executing else []) + self.preempted
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.preempted or self.executing or self._handed_off)
+
+    def snapshot(self) -> InstanceSnapshot:
+        in_tasks = [s for t in self._tasks() for s in t.plan.prefills]
+        return InstanceSnapshot(
+            instance=self.instance, role=self.role,
+            num_running=len(in_tasks), num_waiting=len(self.waiting),
+            waiting_tokens=sum(r.uncomputed for r in self.waiting.values())
+            + sum(s.n for s in in_tasks),
+            running_tokens=sum(s.state.seq_len for s in in_tasks),
+            kv_free_blocks=self.kv.num_free_blocks, kv_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
+        )
