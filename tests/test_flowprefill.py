@@ -133,24 +133,42 @@ def test_batching_respects_token_budget_and_head_deadline():
 
 
 def test_suspend_resume_keeps_progress_and_abort_inside_a_task_defers_the_free():
+    import numpy as np
+
     s = make_sched()
-    a, b = RequestState(req(0, 0.0, 8000, 30.0)), RequestState(req(1, 0.1, 100, 0.2))
+    a, c = RequestState(req(0, 0.0, 3000, 30.0)), RequestState(req(2, 0.0, 500, 30.0))
+    b = RequestState(req(1, 0.1, 100, 0.2))
     s.add_request(a, 0.0)
+    s.add_request(c, 0.0)
     plan = s.schedule(0.0)
+    assert len(plan.prefills) == 2
     s.add_request(b, 0.1)
     assert s.preempt_check(0.1)
     s.suspend(plan, 37, 0.11)
     plan_b = s.schedule(0.11)
     assert plan_b.prefills[0].state is b
-    assert s.abort(0).status is Status.ABORTED  # a is inside the suspended task
-    assert s.kv.num_held(0) > 0  # its KV stays until the task's forward pass ends
-    s.update_from_output(plan_b, StepOutput(end_times=__import__("numpy").array([0.15])))
+    assert s.abort(0).status is Status.ABORTED  # a is inside the parked task
+    assert s.kv.num_held(0) > 0  # its KV stays: the task's forward pass still writes it
+    s.update_from_output(plan_b, StepOutput(end_times=np.array([0.15])))
     resumed = s.schedule(0.15)
     assert resumed is plan and resumed.ops_done == 37
-    s.update_from_output(plan, StepOutput(end_times=__import__("numpy").array([0.5])))
+    s.update_from_output(plan, StepOutput(end_times=np.array([0.5])))
     assert s.kv.num_held(0) == 0
     s.release(1)
+    s.release(2)
     assert not s.has_work() and s.kv.leaked() == {}
+
+
+def test_a_parked_task_whose_requests_all_abort_is_dropped():
+    s = make_sched()
+    a, b = RequestState(req(0, 0.0, 3000, 30.0)), RequestState(req(1, 0.1, 100, 0.2))
+    s.add_request(a, 0.0)
+    plan = s.schedule(0.0)
+    s.add_request(b, 0.1)
+    assert s.preempt_check(0.1)
+    s.suspend(plan, 5, 0.11)
+    s.abort(0)
+    assert s.kv.num_held(0) == 0 and s.preempted == []
 
 
 # -- whole runs -------------------------------------------------------------------------------

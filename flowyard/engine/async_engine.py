@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from flowyard.core.request import SLO
@@ -35,6 +36,9 @@ class AsyncLLMEngine:
         self._pending = 0  # accepted, not yet seen by the engine loop
         self._stop = threading.Event()
         self._error: str | None = None
+        self._deferred: list[tuple] = []  # commands met at an operator boundary, for after the step
+        if hasattr(engine, "boundary_hook"):
+            engine.boundary_hook = self._admit_arrivals
         self._thread = threading.Thread(target=self._loop, name="flowyard-engine", daemon=True)
         self._thread.start()
 
@@ -52,7 +56,7 @@ class AsyncLLMEngine:
             self._pending += 1
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", request_id, prompt_ids, params, slo))
+        self._commands.put(("add", request_id, prompt_ids, params, slo, time.monotonic()))
         finished = False
         try:
             while True:
@@ -94,18 +98,34 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, slo = cmd  # "wake" commands fall through
+            _, rid, prompt, params, slo, arrival = cmd  # "wake" commands fall through
             with self._lock:
                 self._pending -= 1
             try:
-                self.engine.add_request(rid, prompt, params, slo)
+                self.engine.add_request(rid, prompt, params, slo, arrival=arrival)
             except ValueError as e:
                 self._deliver(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
 
+    def _admit_arrivals(self) -> None:
+        """At an operator boundary of a preemptible step: hand new requests to the engine now
+        (an arrival is a FlowPrefill scheduling event); anything else waits for the step end."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add" and not self._deferred:
+                self._apply(cmd)
+            else:  # keep the order of an abort and anything after it
+                self._deferred.append(cmd)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
+            deferred, self._deferred = self._deferred, []
+            for cmd in deferred:
+                self._apply(cmd)
             if not self.engine.has_unfinished():
                 try:
                     self._apply(self._commands.get(timeout=0.5))

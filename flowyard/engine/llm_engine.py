@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,11 +22,12 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState, Status
-from flowyard.engine.model import CausalLM
+from flowyard.engine.model import LAYER_OPS, CausalLM
+from flowyard.engine.preemption import ExecutionPool
 from flowyard.engine.runner import ModelRunner
 from flowyard.engine.sampling import RequestOutput, SamplingParams, sample
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from flowyard.policies.base import Role
+from flowyard.policies.base import LocalScheduler, Role
 from flowyard.policies.local import BatchConfig, BatchScheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,9 +79,12 @@ class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
                  name: str = "model", *, instance: int = 0, role: Role = Role.MIXED,
                  batch: BatchConfig | None = None, ids: Iterator[int] | None = None,
-                 t0: float | None = None) -> None:
+                 t0: float | None = None,
+                 scheduler: Callable[[KVCacheManager, int], LocalScheduler] | None = None) -> None:
         """instance/role/batch: this engine's place in a cluster and its policy's local
-        scheduler settings; ids/t0: request-id counter and clock origin shared by a cluster."""
+        scheduler settings; ids/t0: request-id counter and clock origin shared by a cluster;
+        scheduler: build the policy's own local scheduler (from the KV manager and the
+        context limit) instead of a BatchScheduler from `batch`."""
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -96,14 +100,18 @@ class LLMEngine:
         self.kv = kv_cls(num_blocks, config.block_size)
         ctx = model.cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or ctx, ctx, num_blocks * config.block_size)
-        base = batch or BatchConfig(max_num_batched_tokens=config.max_num_batched_tokens,
-                                    max_num_seqs=config.max_num_seqs)
-        # One step at a time: a real executor never takes up a multi-step run promise.
-        self.scheduler = BatchScheduler(instance, role, self.kv, dataclasses.replace(
-            base, max_model_len=self.max_model_len, max_repeats=1))
+        if scheduler is not None:
+            self.scheduler: LocalScheduler = scheduler(self.kv, self.max_model_len)
+        else:
+            base = batch or BatchConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                        max_num_seqs=config.max_num_seqs)
+            # One step at a time: a real executor never takes up a multi-step run promise.
+            self.scheduler = BatchScheduler(instance, role, self.kv, dataclasses.replace(
+                base, max_model_len=self.max_model_len, max_repeats=1))
         self.instance = instance
         self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
+        self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
         self._ids = ids if ids is not None else itertools.count()
         self._by_int: dict[int, TrackedRequest] = {}
         self._by_str: dict[str, TrackedRequest] = {}
@@ -125,9 +133,20 @@ class LLMEngine:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
+    @property
+    def boundary_hook(self) -> Callable[[], None] | None:
+        """Called at every preemption boundary of a preemptible step: a serving loop hands
+        new arrivals to the engine there, so they can preempt the running prefill."""
+        return self.pool.boundary_hook
+
+    @boundary_hook.setter
+    def boundary_hook(self, hook: Callable[[], None] | None) -> None:
+        self.pool.boundary_hook = hook
+
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None) -> None:
+                    slo: SLO | None = None, arrival: float | None = None) -> None:
+        """arrival: when the request reached the server (time.monotonic()); default now."""
         if request_id in self._by_str:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
@@ -135,7 +154,9 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
         rid = next(self._ids)
-        req = Request(id=rid, arrival=self.now(), prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
+        now = self.now()
+        arrived = now if arrival is None else min(now, arrival - self._t0)
+        req = Request(id=rid, arrival=arrived, prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
                       slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids))
         gen = None
         if params.seed is not None and not params.greedy:
@@ -143,15 +164,18 @@ class LLMEngine:
         t = TrackedRequest(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
         self._by_int[rid] = t
         self._by_str[request_id] = t
-        if not self.scheduler.add_request(t.state, req.arrival):
+        if not self.scheduler.add_request(t.state, now):
             self._forget(t)
             raise ValueError(t.state.reject_reason or "request rejected")
+        if self.pool.running is not None and self.scheduler.preempt_check(now):
+            self.pool.signal(arrived)  # an arrival during a preemptible prefill (FlowPrefill)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         t = self._by_str.get(request_id)
         if t is None:
             return None
         self.scheduler.abort(t.state.id)
+        self.pool.prune()
         self._forget(t)
         return RequestOutput(request_id, finished=True, finish_reason="abort",
                              prompt_tokens=t.state.req.prompt_len, completion_tokens=t.state.num_output)
@@ -197,7 +221,15 @@ class LLMEngine:
         plan = self.scheduler.schedule(self.now())
         if plan is None:
             return []
-        logits, samplers = self.runner.execute(plan)
+        if plan.preempt_stride:
+            logits, samplers = self.pool.run(plan)
+            if logits is None:  # suspended at an operator boundary; resumed by a later step
+                return []
+        else:
+            logits, samplers = self.runner.execute(plan)
+        if any(s.id not in self._by_int for s in samplers):  # aborted while its task was parked
+            rows = [i for i, s in enumerate(samplers) if s.id in self._by_int]
+            logits, samplers = logits[rows], [samplers[i] for i in rows]
         tracked = [self._by_int[s.id] for s in samplers]
         banned = [self.eos + t.params.stop_token_ids if t.state.num_output < t.params.min_tokens else ()
                   for t in tracked]  # EOS and stop ids may not end a request before min_tokens

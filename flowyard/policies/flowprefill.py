@@ -282,8 +282,19 @@ class FlowPrefillScheduler(LocalScheduler):
             if st is None or req_id in self._zombies:
                 return None
             self._zombies.add(req_id)
+            self._drop_dead_tasks()
         st.status = Status.ABORTED
         return st
+
+    def _drop_dead_tasks(self) -> None:
+        """A parked task whose requests were all aborted is never resumed: free its KV now."""
+        for task in list(self.preempted):
+            ids = [s.state.id for s in task.plan.prefills]
+            if all(i in self._zombies for i in ids):
+                self.preempted.remove(task)
+                for i in ids:
+                    self._zombies.discard(i)
+                    self.kv.free(i)
 
     @property
     def num_waiting(self) -> int:

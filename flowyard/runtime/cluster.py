@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Callable
 from flowyard.core.kvcache import cdiv
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
@@ -34,8 +35,9 @@ class LocalCluster(ClusterBase):
         self.model_name = name
         self.tokenizer = tokenizer
         self.engines = [
-            LLMEngine(model, tokenizer, config, name, instance=i, role=role,
-                      batch=policy.configs[role], ids=ids, t0=t0)
+            LLMEngine(model, tokenizer, config, name, instance=i, role=role, ids=ids, t0=t0,
+                      scheduler=lambda kv, max_len, i=i: policy.make_local(
+                          i, kv, max_model_len=max_len, single_step=True))
             for i, role in enumerate(policy.roles)
         ]
         self.max_model_len = min(e.max_model_len for e in self.engines)
@@ -54,10 +56,19 @@ class LocalCluster(ClusterBase):
     def now(self) -> float:
         return self.engines[0].now()
 
+    @property
+    def boundary_hook(self) -> Callable[[], None] | None:
+        return self.engines[0].boundary_hook
+
+    @boundary_hook.setter
+    def boundary_hook(self, hook: Callable[[], None] | None) -> None:
+        for e in self.engines:
+            e.boundary_hook = hook
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None) -> None:
+                    slo: SLO | None = None, arrival: float | None = None) -> None:
         dst = self._route(request_id, prompt_ids, params, slo)
-        self.engines[dst].add_request(request_id, prompt_ids, params, slo)
+        self.engines[dst].add_request(request_id, prompt_ids, params, slo, arrival)
         self._where[request_id] = dst
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -194,7 +194,8 @@ class RayCluster(ClusterBase):
         return self._snaps[instance]
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None) -> None:
+                    slo: SLO | None = None, arrival: float | None = None) -> None:
+        """arrival is accepted for the engine interface; actors stamp their own arrival."""
         dst = self._route(request_id, prompt_ids, params, slo)
         self.actors[dst].add_request.remote(request_id, prompt_ids, params, slo)
         self._where[request_id] = dst

@@ -1,0 +1,160 @@
+"""FlowPrefill on real engines: operator-level preemption suspends a running prefill at an
+operator boundary and resumes it without recomputation, with exactly the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers_models import make_tiny_model
+from flowyard.core.request import SLO
+from flowyard.costmodel import make_cost_model
+from flowyard.engine.embedded import embedded_model_path
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.loader import load_checkpoint
+from flowyard.engine.model import CausalLM
+from flowyard.engine.sampling import SamplingParams
+from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.runtime.cluster import LocalCluster
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+LONG = [(11 * j) % 190 + 5 for j in range(200)]
+SHORT = [(3 * j) % 150 + 7 for j in range(12)]
+
+
+def load(path):
+    ckpt = load_checkpoint(path)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    return model, ckpt.tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    d, _ = make_tiny_model(tmp_path_factory.mktemp("fp"), "llama")
+    return load(d)
+
+
+def cluster_for(model, tok, granularity="operator", predictor=None):
+    fp = FlowPrefillConfig(granularity=granularity)
+    pred = predictor or make_cost_model("smollm2-135m", "cpu")
+    policy = build_policy("flowprefill", PolicyOptions(num_instances=2, predictor=pred, flowprefill=fp))
+    return LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=4096))
+
+
+def drain(engine, got=None, first=None, step_no=None):
+    got = {} if got is None else got
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.new_token_ids and o.request_id not in (first or {}):
+                if first is not None:
+                    first[o.request_id] = step_no[0] if step_no else len(first)
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return got
+
+
+def alone(model, tok, prompt):
+    e = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096))
+    e.add_request("x", prompt, GREEDY)
+    return drain(e)["x"]
+
+
+def preempt_at(cluster, boundary: int, slo_short=SLO(ttft=30.0), slo_long=SLO(ttft=600.0)):
+    """Start the long prompt; at the given boundary of its prefill, the short one arrives."""
+    seen = {"n": 0}
+
+    def hook():
+        seen["n"] += 1
+        if seen["n"] == boundary:
+            cluster.add_request("short", SHORT, GREEDY, slo_short)
+
+    cluster.boundary_hook = hook
+    cluster.add_request("long", LONG, GREEDY, slo_long)
+    order: dict[str, int] = {}
+    got = drain(cluster, first=order)
+    return got, order
+
+
+@pytest.mark.parametrize("boundary", [1, 4, 8])  # the tiny model has 2 layers: 10 operators
+def test_preempted_prefill_resumes_with_identical_tokens(tiny, boundary):
+    model, tok = tiny
+    cluster = cluster_for(model, tok)
+    got, order = preempt_at(cluster, boundary)
+    assert got["long"] == alone(model, tok, LONG)
+    assert got["short"] == alone(model, tok, SHORT)
+    assert order["short"] < order["long"]  # the short prompt's first token came first
+    prefill = cluster.engines[0]
+    assert prefill.pool.stats.count == 1 and prefill.pool.num_suspended == 0
+    assert prefill.scheduler.stats.preemptions == 1 and prefill.scheduler.stats.resumes == 1
+    for e in cluster.engines:
+        assert not e.kv.leaked() and not e.has_unfinished()
+
+
+def test_layer_granularity_checks_only_after_whole_layers(tiny):
+    model, tok = tiny
+    cluster = cluster_for(model, tok, granularity="layer")
+    got, order = preempt_at(cluster, 1)
+    assert order["short"] < order["long"]
+    assert got["long"] == alone(model, tok, LONG)
+
+
+def test_a_less_urgent_arrival_does_not_preempt(tiny):
+    model, tok = tiny
+    cluster = cluster_for(model, tok)
+    got, order = preempt_at(cluster, 3, slo_short=SLO(ttft=900.0), slo_long=SLO(ttft=60.0))
+    assert order["long"] < order["short"]
+    assert cluster.engines[0].pool.stats.count == 0
+
+
+def test_abort_of_a_parked_request_frees_its_kv_after_the_task_ends(tiny):
+    model, tok = tiny
+    cluster = cluster_for(model, tok)
+    seen = {"n": 0}
+
+    def hook():
+        seen["n"] += 1
+        if seen["n"] == 2:
+            cluster.add_request("short", SHORT, GREEDY, SLO(ttft=30.0))
+
+    cluster.boundary_hook = hook
+    cluster.add_request("long", LONG, GREEDY, SLO(ttft=600.0))
+    cluster.step()  # runs until the long prefill is suspended
+    assert cluster.engines[0].pool.num_suspended == 1
+    assert cluster.abort("long") is not None
+    got = drain(cluster)
+    assert "long" not in got and got["short"] == alone(model, tok, SHORT)
+    for e in cluster.engines:
+        assert not e.kv.leaked() and not e.has_unfinished()
+
+
+def test_embedded_model_short_tight_prompt_preempts_long_loose_one():
+    """The demonstration of the issue on SmolLM2: the short prompt meets a tight TTFT while a
+    long prompt with a loose SLO is mid-prefill, and the long one still produces exactly the
+    tokens it produces without preemption."""
+    import time
+
+    model, tok = load(embedded_model_path())
+    long_prompt = tok.encode("Summarise the history of computing. " * 110)[:900]
+    short_prompt = tok.encode("What is the capital of France?")
+    cluster = cluster_for(model, tok)
+    t_short: dict[str, float] = {}
+    seen = {"n": 0}
+
+    def hook():
+        seen["n"] += 1
+        if seen["n"] == 30:  # layer 6 of 30 of the long prefill
+            t_short["arrival"] = time.monotonic()
+            cluster.add_request("short", short_prompt, GREEDY, SLO(ttft=1.0))
+
+    cluster.boundary_hook = hook
+    cluster.add_request("long", long_prompt, GREEDY, SLO(ttft=60.0))
+    got: dict[str, list[int]] = {}
+    while cluster.has_unfinished():
+        for o in cluster.step():
+            if o.request_id == "short" and o.new_token_ids and "first" not in t_short:
+                t_short["first"] = time.monotonic()
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert t_short["first"] - t_short["arrival"] <= 1.0
+    assert got["long"] == alone(model, tok, long_prompt)
+    assert cluster.engines[0].pool.stats.count == 1
