@@ -46,6 +46,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="global policies see instance snapshots up to S seconds old (runtime reports)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse KV of shared prefixes (Mooncake hash_ids, multi-turn history)")
+    g.add_argument("--predictor-error", type=positive_float, default=1.0, metavar="F",
+                   help="SLO-aware policies predict step times F times the truth (robustness)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -61,7 +63,7 @@ def _config(args: argparse.Namespace, policy: str):
         ttft_slo_by_length=args.ttft_slo_by_length, seed=args.seed,
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
-        snapshot_staleness=args.snapshot_staleness,
+        snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
     )
 
 
@@ -73,8 +75,12 @@ def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
     if args.profile is None:
         get_model(args.model)
     get_hardware(args.hardware)
+    from flowyard.sim.run import build_cost_model
+
+    predictor = build_cost_model(_config(args, policies[0]))  # what SLO-aware policies need
     for p in policies:
-        build_policy(p, PolicyOptions(num_instances=args.instances, num_prefill=args.prefill_instances))
+        build_policy(p, PolicyOptions(num_instances=args.instances, num_prefill=args.prefill_instances,
+                                      predictor=predictor))
 
 
 @contextmanager
@@ -102,9 +108,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_table(summary))
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}")
+    extra = {"config": vars(cfg), "events": result.events, "sim_time_s": result.sim_time}
+    blocking = result.preemption_blocking
+    if blocking:
+        extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
+                                           "max": 1e3 * max(blocking)}
+        print(f"preemptions: {len(blocking):,}  blocking mean {extra['preemption_blocking_ms']['mean']:.2f} ms"
+              f"  max {extra['preemption_blocking_ms']['max']:.2f} ms")
     if args.json:
-        write_json(summary, args.json, extra={"config": vars(cfg), "events": result.events,
-                                              "sim_time_s": result.sim_time})
+        write_json(summary, args.json, extra=extra)
         print(f"wrote {args.json}")
     if args.plot:
         from flowyard.bench.plot import plot_cdf

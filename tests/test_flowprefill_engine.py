@@ -158,3 +158,55 @@ def test_embedded_model_short_tight_prompt_preempts_long_loose_one():
     assert t_short["first"] - t_short["arrival"] <= 1.0
     assert got["long"] == alone(model, tok, long_prompt)
     assert cluster.engines[0].pool.stats.count == 1
+
+
+def test_server_preempts_a_long_prefill_for_a_tight_slo_request_and_exports_blocking_time():
+    """Through the OpenAI server: the long request's prefill is running when the short one
+    arrives over HTTP; the arrival reaches the scheduler at an operator boundary."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from flowyard.engine.async_engine import AsyncLLMEngine
+    from flowyard.server.app import build_app
+
+    model, tok = load(embedded_model_path())
+    cluster = cluster_for(model, tok)
+    client = AsyncLLMEngine(cluster)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(build_app(client), log_level="warning", lifespan="off"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not srv.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    long_text = "Summarise the history of computing. " * 130
+    done: dict[str, float] = {}
+
+    async def one(name: str, prompt: str, ttft: float, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with httpx.AsyncClient(timeout=120) as c:
+            r = await c.post(url + "/v1/completions", json={
+                "model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ttft_slo": ttft})
+            assert r.status_code == 200, r.text
+        done[name] = time.monotonic()
+
+    async def main() -> None:
+        await asyncio.gather(one("long", long_text, 60.0, 0.0), one("short", "Hi there!", 2.0, 0.4))
+
+    try:
+        asyncio.run(main())
+        assert done["short"] < done["long"]
+        metrics = httpx.get(url + "/metrics").text
+        assert 'flowyard:num_preemptions_total{model_name="model"} 1.0' in metrics
+        assert "flowyard:preemption_blocking_seconds_bucket" in metrics
+    finally:
+        srv.should_exit = True
+        th.join(5)
+        client.shutdown()
+        sock.close()

@@ -82,6 +82,7 @@ class AsyncLLMEngine:
             kv_usage=e.kv.usage, prefix_cache_hit_rate=getattr(e.kv, "hit_rate", 0.0),
             healthy=self._error is None and self._thread.is_alive(),
             detail=self._error or getattr(e, "health_detail", ""),
+            preemption=getattr(e, "preemption_stats", None),
         )
 
     def shutdown(self) -> None:

@@ -23,7 +23,7 @@ from flowyard.core.plan import StepOutput
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState, Status
 from flowyard.engine.model import LAYER_OPS, CausalLM
-from flowyard.engine.preemption import ExecutionPool
+from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.runner import ModelRunner
 from flowyard.engine.sampling import RequestOutput, SamplingParams, sample
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -132,6 +132,10 @@ class LLMEngine:
 
     def now(self) -> float:
         return time.monotonic() - self._t0
+
+    @property
+    def preemption_stats(self) -> PreemptionStats:
+        return self.pool.stats
 
     @property
     def boundary_hook(self) -> Callable[[], None] | None:

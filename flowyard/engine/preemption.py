@@ -45,6 +45,23 @@ class PreemptionStats:
     count: int = 0
     recent: list[float] = field(default_factory=list)  # last 1,000 values, for tests and logs
 
+    @classmethod
+    def merged(cls, parts: "list[PreemptionStats]") -> "PreemptionStats":
+        out = cls()
+        for p in parts:
+            out.counts = [a + b for a, b in zip(out.counts, p.counts)]
+            out.total += p.total
+            out.count += p.count
+        return out
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus histogram buckets: (upper bound, observations at or below it)."""
+        acc, out = 0, []
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            acc += n
+            out.append((bound, acc))
+        return out
+
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, seconds)] += 1
         self.total += seconds

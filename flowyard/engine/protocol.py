@@ -33,6 +33,7 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     healthy: bool = True
     detail: str = ""
+    preemption: object | None = None  # engine.preemption.PreemptionStats, when the engine preempts
 
 
 class QueueFullError(RuntimeError):

@@ -19,6 +19,7 @@ from flowyard.core.kvcache import cdiv
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.model import CausalLM
+from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.engine.tokenizer import Tokenizer
 from flowyard.policies.base import InstanceSnapshot, Role
@@ -55,6 +56,10 @@ class LocalCluster(ClusterBase):
     # -- the engine surface ---------------------------------------------------------------------
     def now(self) -> float:
         return self.engines[0].now()
+
+    @property
+    def preemption_stats(self) -> PreemptionStats:
+        return PreemptionStats.merged([e.preemption_stats for e in self.engines])
 
     @property
     def boundary_hook(self) -> Callable[[], None] | None:

@@ -32,6 +32,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="one process per instance as Ray actors (a local Ray cluster unless --ray-address)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (implies --ray)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="SLO-aware policies (flowprefill) predict step times with this `flowyard "
+                        "profile` of the engine (default: the roofline of --hardware)")
+    p.add_argument("--hardware", default="cpu", help="roofline hardware for the predictor (cpu, h100, ...)")
+    p.add_argument("--preemption", default="operator", choices=["operator", "layer", "chunk"],
+                   help="flowprefill: where a running prefill may be suspended")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 
@@ -59,11 +65,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     use_ray = args.ray or args.ray_address is not None
     policy = None
     if args.instances > 1 or args.policy != "vllm" or use_ray:
+        from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy
 
+        slo_aware = args.policy.lower() == "flowprefill"
+        if slo_aware and use_ray:
+            raise ValueError("--policy flowprefill preempts at operator boundaries inside the "
+                             "serving process: run it without --ray")
         policy = build_policy(args.policy, PolicyOptions(
             num_instances=args.instances, num_prefill=args.prefill_instances,
-            chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
+            chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            predictor=_predictor(args) if slo_aware else None,
+            flowprefill=FlowPrefillConfig(granularity=args.preemption, max_num_seqs=args.max_num_seqs)))
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster
 
@@ -91,3 +104,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if use_ray:
             engine.shutdown()
     return 0
+
+
+def _predictor(args: argparse.Namespace):
+    """What an SLO-aware policy predicts TTFT and batch latency with: a profile of this engine
+    when given, else the roofline of the served model's architecture on --hardware."""
+    from pathlib import Path
+
+    from flowyard.costmodel import make_cost_model
+
+    if args.profile:
+        from flowyard.costmodel.profiled import ProfiledCostModel
+
+        return ProfiledCostModel(args.profile)
+    if args.model is None:
+        return make_cost_model("smollm2-135m", args.hardware)
+    config = Path(args.model) / "config.json"
+    if config.is_file():
+        return make_cost_model(str(config), args.hardware)
+    raise ValueError(f"--policy {args.policy} on {args.model} needs --profile PATH "
+                     "(a `flowyard profile` of this engine) to predict prefill times")

@@ -24,7 +24,7 @@ import time
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from flowyard.core.request import SLO
@@ -70,6 +70,17 @@ class _EngineStatsCollector(Collector):
             return fams
         for fam, value in zip(fams, (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate)):
             fam.add_metric([self.model_name], float(value))
+        p = s.preemption
+        if p is not None:  # FlowPrefill: signal -> acknowledgement at an operator boundary
+            hist = HistogramMetricFamily(
+                PREFIX + "preemption_blocking_seconds",
+                "Preemption blocking time: from the arrival that asked for it to the operator "
+                "boundary where the running prefill stopped.", labels=["model_name"])
+            hist.add_metric([self.model_name], p.cumulative(), p.total)
+            count = CounterMetricFamily(PREFIX + "num_preemptions", "Prefill tasks suspended.",
+                                        labels=["model_name"])
+            count.add_metric([self.model_name], p.count)
+            fams += [hist, count]
         return fams
 
 
