@@ -122,6 +122,17 @@ class AsyncLLMEngine:
             else:  # keep the order of an abort and anything after it
                 self._deferred.append(cmd)
 
+    def _idle_wait(self) -> None:
+        """After a step that ran nothing (a batching window still open, work parked), wait for
+        a command or the scheduler's wake-up time instead of spinning."""
+        delay = self.engine.wake_delay() if hasattr(self.engine, "wake_delay") else 0.0
+        if delay == 0.0:
+            return
+        try:
+            self._deferred.append(self._commands.get(timeout=min(0.5, delay or 0.5)))
+        except queue.Empty:
+            pass
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             deferred, self._deferred = self._deferred, []
@@ -142,6 +153,7 @@ class AsyncLLMEngine:
             try:
                 for out in self.engine.step():
                     self._deliver(out)
+                self._idle_wait()
             except Exception as e:  # a broken step must not hang clients: fail them all
                 log.exception("engine step failed")
                 self._error = f"{type(e).__name__}: {e}"

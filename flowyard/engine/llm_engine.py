@@ -111,6 +111,7 @@ class LLMEngine:
         self.instance = instance
         self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
+        self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
         self._ids = ids if ids is not None else itertools.count()
         self._by_int: dict[int, TrackedRequest] = {}
@@ -132,6 +133,16 @@ class LLMEngine:
 
     def now(self) -> float:
         return time.monotonic() - self._t0
+
+    def wake_delay(self) -> float | None:
+        """Seconds until `step` has something to run if no request arrives: 0 after a step that
+        ran, the scheduler's wake-up time after one that found nothing, None if only an event
+        can help. A serving loop sleeps that long on its input queue instead of spinning."""
+        if self._idle_until is None:
+            return 0.0
+        if self._idle_until == float("inf"):
+            return None
+        return max(0.0, self._idle_until - self.now())
 
     @property
     def preemption_stats(self) -> PreemptionStats:
@@ -171,6 +182,7 @@ class LLMEngine:
         if not self.scheduler.add_request(t.state, now):
             self._forget(t)
             raise ValueError(t.state.reject_reason or "request rejected")
+        self._idle_until = None  # new work: the next step decides again
         if self.pool.running is not None and self.scheduler.preempt_check(now):
             self.pool.signal(arrived)  # an arrival during a preemptible prefill (FlowPrefill)
 
@@ -203,6 +215,7 @@ class LLMEngine:
         """Track a request arriving from another engine, keeping its int id and stream state."""
         self._by_int[t.state.id] = t
         self._by_str[t.request_id] = t
+        self._idle_until = None
 
     def _forget(self, t: TrackedRequest) -> None:
         self._by_int.pop(t.state.id, None)
@@ -222,9 +235,13 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(self.now())
-        if plan is None:
+        now = self.now()
+        plan = self.scheduler.schedule(now)
+        if plan is None:  # nothing runnable: maybe a batching window that closes later
+            wake = self.scheduler.wake_at(now)
+            self._idle_until = float("inf") if wake is None else wake
             return []
+        self._idle_until = None
         if plan.preempt_stride:
             logits, samplers = self.pool.run(plan)
             if logits is None:  # suspended at an operator boundary; resumed by a later step

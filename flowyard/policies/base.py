@@ -96,6 +96,11 @@ class LocalScheduler(ABC):
         """The executor will run only `steps` (< plan.max_repeats) of `plan`; release whatever
         was reserved for the rest. Default: nothing was reserved."""
 
+    def wake_at(self, now: float) -> float | None:
+        """Asked when `schedule` returned None: a time at which to call `schedule` again even if
+        no event arrives (a batching window that closes then), or None to wait for events."""
+        return None
+
     def preempt_check(self, now: float) -> bool:
         """An event (an arrival) reached this instance while it runs a preemptible plan: True
         asks the executor to suspend that plan at its next preemption boundary, then to call
@@ -151,6 +156,11 @@ class GlobalScheduler(ABC):
     """Cluster policy: where each request starts and where it continues after prefill."""
 
     name: str = "global"
+    # Seconds between `tick` calls (pool controllers, instance monitors); None: no ticks.
+    period: float | None = None
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        """Periodic work of the cluster policy, on the executor's clock."""
 
     @abstractmethod
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:

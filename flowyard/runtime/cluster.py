@@ -57,6 +57,11 @@ class LocalCluster(ClusterBase):
     def now(self) -> float:
         return self.engines[0].now()
 
+    def wake_delay(self) -> float | None:
+        """The soonest any instance has something to run (see LLMEngine.wake_delay)."""
+        delays = [d for e in self.engines if e.has_unfinished() and (d := e.wake_delay()) is not None]
+        return min(delays) if delays else None
+
     @property
     def preemption_stats(self) -> PreemptionStats:
         return PreemptionStats.merged([e.preemption_stats for e in self.engines])

@@ -33,51 +33,14 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role
 from flowyard.policies.registry import Policy
 from flowyard.sim.cluster import Topology
+from flowyard.sim.instance import SimInstance, SimResult
 
 ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
-SCHEDULE = int(EventKind.SCHEDULE)
+SCHEDULE, TIMER = int(EventKind.SCHEDULE), int(EventKind.TIMER)
 
 
 class SimulationError(RuntimeError):
     """A run ended with a request neither finished nor rejected, or with KV still held."""
-
-
-class SimInstance:
-    """One simulated serving instance: a local scheduler plus the step it is running."""
-
-    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
-                 "suspend_at")
-
-    def __init__(self, iid: int, sched: LocalScheduler) -> None:
-        self.id = iid
-        self.sched = sched
-        self.plan: StepPlan | None = None
-        self.ends: np.ndarray = np.empty(0)
-        self.version = 0
-        self.busy_s = 0.0
-        self.wake_pending = False
-        self.bounds: np.ndarray | None = None  # operator end times of a preemptible plan
-        self.suspend_at = -1  # operators done when a requested preemption takes effect
-
-
-@dataclass
-class SimResult:
-    states: list[RequestState]
-    sim_time: float
-    wall_s: float
-    events: int
-    steps: int
-    instance_busy_s: list[float] = field(default_factory=list)
-    # FlowPrefill: seconds from each preemption signal to the operator boundary that acked it
-    preemption_blocking: list[float] = field(default_factory=list)
-
-    @property
-    def completed(self) -> list[RequestState]:
-        return [s for s in self.states if s.status is Status.FINISHED]
-
-    @property
-    def rejected(self) -> list[RequestState]:
-        return [s for s in self.states if s.status is Status.REJECTED]
 
 
 class Simulator:
@@ -162,6 +125,9 @@ class Simulator:
         nxt = 0
         if pending:
             self._push(pending[0].req.arrival, ARRIVAL, pending[0])
+            period = self.policy.global_scheduler.period
+            if period is not None:  # periodic controllers and monitors of the global scheduler
+                self._push(pending[0].req.arrival + period, TIMER, None)
         events = 0
         heap = self._heap
         while heap:
@@ -180,6 +146,8 @@ class Simulator:
                 if nxt < len(pending):
                     self._push(pending[nxt].req.arrival, ARRIVAL, pending[nxt])
                 self._arrive(payload)  # type: ignore[arg-type]
+            elif kind == TIMER:
+                self._timer(payload, len(states))  # type: ignore[arg-type]
             else:
                 self._kv_landed(*payload)  # type: ignore[misc]
             if self.progress is not None and events % 4096 == 0:
@@ -300,11 +268,27 @@ class Simulator:
         inst.wake_pending = True
         self._push(self.now, SCHEDULE, inst)
 
+    def _timer(self, inst: SimInstance | None, total: int) -> None:
+        """A local scheduler's wake-up time (a batching window closing), or, for None, the
+        global scheduler's periodic tick, which goes on while requests remain."""
+        if inst is None:
+            gs = self.policy.global_scheduler
+            gs.tick(_View(self), self.now)
+            if self._done < total and gs.period is not None:
+                self._push(self.now + gs.period, TIMER, None)
+        elif inst.timer_at is not None and inst.timer_at <= self.now:
+            inst.timer_at = None
+            self._kick(inst)
+
     def _start_step(self, inst: SimInstance) -> None:
         if inst.plan is not None:
             return
         plan = inst.sched.schedule(self.now)
         if plan is None:
+            wake = inst.sched.wake_at(self.now)
+            if wake is not None and wake > self.now and (inst.timer_at is None or wake < inst.timer_at):
+                inst.timer_at = wake
+                self._push(wake, TIMER, inst)
             return
         k = plan.max_repeats
         if k > 1:  # the simulator knows when each request stops: end the run at the first

@@ -1,0 +1,118 @@
+"""Timers in both executors: a local scheduler's wake-up time (a batching window) and the
+global scheduler's periodic tick, the seams PLA-Serve's AWD windows and Arrow's monitor use."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conftest import LinearCost, make_requests
+from flowyard.core.request import SLO
+from flowyard.policies.base import Role
+from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.registry import Policy
+from flowyard.policies.routers import RoundRobin
+from flowyard.sim.run import SimConfig, build_topology
+from flowyard.sim.simulator import Simulator
+
+WINDOW = 0.2
+
+
+class WindowedScheduler(BatchScheduler):
+    """Holds new requests until the oldest has waited WINDOW seconds or 4 are queued."""
+
+    def schedule(self, now):
+        if not self.running and 0 < self.num_waiting < 4:
+            oldest = min(w[2].req.arrival for w in self._waiting)
+            if now < oldest + WINDOW - 1e-12:
+                return None
+        return super().schedule(now)
+
+    def wake_at(self, now):
+        if self.running or not self.num_waiting:
+            return None
+        return min(w[2].req.arrival for w in self._waiting) + WINDOW
+
+
+class Ticking(RoundRobin):
+    period = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.ticks: list[float] = []
+
+    def tick(self, view, now):
+        self.ticks.append(now)
+        assert list(view.instances()) == [0]
+
+
+def policy(router=None) -> Policy:
+    cfg = BatchConfig()
+
+    def make(i, role, kv):
+        return WindowedScheduler(i, role, kv, cfg)
+
+    return Policy("windowed", router or RoundRobin(), [Role.MIXED], {Role.MIXED: cfg}, {Role.MIXED: make})
+
+
+def test_simulator_wakes_a_scheduler_whose_batching_window_closes():
+    reqs = make_requests(n=3, rate=1000.0, prompt=(16, 32), out=(2, 3))  # within a millisecond
+    sim = Simulator(reqs, policy(), LinearCost(), build_topology(SimConfig()))
+    res = sim.run()
+    firsts = sorted(s.first_token_time for s in res.states)
+    assert firsts[0] >= WINDOW  # nobody started before the window closed
+    assert firsts[0] == pytest.approx(WINDOW + LinearCost().step_time(
+        __import__("flowyard.core.plan", fromlist=["x"]).BatchShape.of([(0, r.prompt_len) for r in reqs], [])))
+
+
+def test_simulator_ticks_the_global_scheduler_while_requests_remain():
+    reqs = make_requests(n=20, rate=5.0, prompt=(16, 32), out=(2, 3))
+    router = Ticking()
+    res = Simulator(reqs, policy(router), LinearCost(), build_topology(SimConfig())).run()
+    end = max(s.finish_time for s in res.states)
+    assert router.ticks == pytest.approx([0.5 * (k + 1) for k in range(len(router.ticks))])
+    assert end - 0.5 <= router.ticks[-1] <= end + 0.5
+
+
+def test_real_engine_sleeps_until_the_window_closes_instead_of_spinning(tmp_path):
+    pytest.importorskip("transformers")
+    from helpers_models import make_tiny_model
+    from flowyard.engine.async_engine import AsyncLLMEngine
+    from flowyard.engine.llm_engine import EngineConfig
+    from flowyard.engine.loader import load_checkpoint
+    from flowyard.engine.model import CausalLM
+    from flowyard.engine.sampling import SamplingParams
+    from flowyard.runtime.cluster import LocalCluster
+
+    d, _ = make_tiny_model(tmp_path, "llama")
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    cluster = LocalCluster(model, ckpt.tokenizer, policy(), EngineConfig(kv_cache_tokens=1024))
+    calls = {"n": 0}
+    sched = cluster.engines[0].scheduler
+    original = sched.schedule
+
+    def counting(now):
+        calls["n"] += 1
+        return original(now)
+
+    sched.schedule = counting
+    client = AsyncLLMEngine(cluster)
+
+    async def one() -> float:
+        t0 = time.monotonic()
+        async for out in client.generate("r", [5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0),
+                                         SLO(ttft=5.0)):
+            if out.new_token_ids:
+                return time.monotonic() - t0
+        raise AssertionError("no token")
+
+    try:
+        ttft = asyncio.run(one())
+    finally:
+        client.shutdown()
+    assert WINDOW - 0.02 <= ttft < WINDOW + 0.5
+    assert calls["n"] < 20  # woke at the window's end, not polled in a loop
