@@ -173,6 +173,29 @@ class RooflineCostModel(CostModel):
                 "overhead": _scalar(self._ovh_c + self._ovh_seq * rows
                                     + 0.0 * np.asarray(shape.decode_ctx, dtype=float))}
 
+    # -- the two sides of the roofline (PLA-Serve's compute-memory boundary) ----------------
+    def compute_memory_split(self, shape: BatchShape) -> tuple[Seconds, Seconds]:
+        """(t_comp, t_mem): the compute and the memory side of every operator of the step,
+        each summed over the step instead of taking max() per operator as `step_time` does.
+
+        t_comp: GEMM FLOPs, prefill/decode attention FLOPs (diagonal-tile waste included),
+        lm_head FLOPs. t_mem: weight streams, activation rows, elementwise kernels (norms,
+        RoPE, KV-cache write, SwiGLU, adds), attention KV/q/o reads, embedding gather. Left
+        out, being neither HBM nor FLOPs: fixed kernel/launch times, TP collectives and CPU
+        overhead. PLA-Serve (§2.1) fits T_comp and T_mem separately; this is their source."""
+        pt, ps = shape.prefill_tokens, shape.prefill_seqs
+        ds, dc = shape.decode_seqs, shape.decode_ctx
+        T, rows = pt + ds, ps + ds
+        L = self.num_layers
+        comp = (L * (sum(self._a) * T + self._pf * (shape.prefill_attn + self._tile * pt)
+                     + self._pf * dc) + self._lm_a * rows)
+        emb_row = self._emb_row - self._ar_row / 2  # the gather alone, without its all-reduce
+        mem = (L * (sum(self._w) + (sum(self._b) + self._lin_elem + self._attn_elem) * T
+                    + self._pkv * shape.prefill_kv + self._pqo * pt
+                    + self._dkv * dc + self._dqo * ds)
+               + emb_row * T + self._lm_w + self._lm_b * rows + self._lm_norm * T)
+        return _scalar(comp), _scalar(mem)
+
     # -- memory -----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """2 (K,V) * layers * kv_heads_per_gpu * head_dim * dtype bytes, on one GPU."""
