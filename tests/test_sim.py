@@ -19,10 +19,11 @@ TOPO = Topology(1, FixedLink(), FixedLink())
 
 
 def simulate(name, reqs, n=4, capacity=20_000, max_repeats=None, on_step=None, **opts):
-    pol = build_policy(name, PolicyOptions(num_instances=n, **opts))
+    cost = LinearCost(capacity=capacity)
+    pol = build_policy(name, PolicyOptions(num_instances=n, predictor=cost, **opts))
     if max_repeats is not None:
         pol.configs = {r: dataclasses.replace(c, max_repeats=max_repeats) for r, c in pol.configs.items()}
-    sim = Simulator(reqs, pol, LinearCost(capacity=capacity), TOPO, on_step=on_step)
+    sim = Simulator(reqs, pol, cost, TOPO, on_step=on_step)
     return sim.run(), pol
 
 

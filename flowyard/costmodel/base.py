@@ -58,7 +58,7 @@ class CostModel(ABC):
         for the end of the step. Embedding and per-step overhead run before the first
         operator, lm_head after the last; a layer's TP collectives follow o_proj and down_proj."""
         layer = self.layer_op_times(shape)
-        per_op = np.array([float(layer[op]) for op in LAYER_OPS])
+        per_op = np.array([float(layer.get(op, 0.0)) for op in LAYER_OPS])
         ar = float(layer.get("allreduce", 0.0)) / 2
         per_op[2] += ar
         per_op[4] += ar
