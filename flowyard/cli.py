@@ -48,6 +48,11 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse KV of shared prefixes (Mooncake hash_ids, multi-turn history)")
     g.add_argument("--predictor-error", type=positive_float, default=1.0, metavar="F",
                    help="SLO-aware policies predict step times F times the truth (robustness)")
+    g.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+                   help="closed loop: N clients, each sending its next request (a session's next "
+                        "turn) when its previous one ends; trace arrival times are ignored")
+    g.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="closed loop: a client waits S s after each response (needs --concurrency)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -64,6 +69,7 @@ def _config(args: argparse.Namespace, policy: str):
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
+        concurrency=args.concurrency, think_time=args.think_time,
     )
 
 
@@ -106,6 +112,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with _progress(not args.quiet, f"simulating {cfg.policy}") as progress:
         summary, result = simulate(cfg, workload, progress=progress)
     print(format_table(summary))
+    if cfg.concurrency is not None:
+        print(f"closed loop: {cfg.concurrency} clients, think time {cfg.think_time:g} s "
+              f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)")
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}")
     extra = {"config": vars(cfg), "events": result.events, "sim_time_s": result.sim_time}
@@ -135,6 +144,9 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise UsageError("--policies needs at least one policy name")
+    if args.concurrency is not None:  # the searched variable is the open-loop arrival rate
+        raise UsageError("goodput searches the arrival rate, which closed-loop clients do not have: "
+                         "run `flowyard simulate --concurrency N` for each N instead")
     _validate_names(args, policies)
     base = _config(args, policies[0])
     workload = load_workload(base)

@@ -7,6 +7,7 @@ place, so the CLI, the benchmarks and `reproduce` experiments build runs the sam
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,7 @@ from flowyard.core.request import SLO
 from flowyard.costmodel import Link, get_hardware, make_cost_model
 from flowyard.costmodel.base import CostModel, with_error
 from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.sim.arrivals import ClosedLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator
 from flowyard.workloads import Workload, clip, load_trace, scale_rate, slo_by_length, with_slo
@@ -61,6 +63,10 @@ class SimConfig:
     profile: str | None = None  # a `flowyard profile` JSON: emulate that engine
     snapshot_staleness: float = 0.0  # seconds; global policies see snapshots this old at most
     predictor_error: float = 1.0  # SLO-aware policies predict times this factor off the truth
+    # Closed loop: this many clients, each sending its next request (a session's next turn)
+    # think_time seconds after its previous one ends; trace arrival times are then ignored.
+    concurrency: int | None = None
+    think_time: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -74,6 +80,15 @@ class SimConfig:
             raise ValueError(f"--rate-scale must be positive, got {self.rate_scale}")
         if self.duration is not None and not self.duration > 0:
             raise ValueError(f"--duration must be positive, got {self.duration}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if not (self.think_time >= 0 and math.isfinite(self.think_time)):
+            raise ValueError(f"--think-time must be a finite number >= 0, got {self.think_time}")
+        if self.concurrency is None and self.think_time:
+            raise ValueError("--think-time needs --concurrency (closed-loop clients)")
+        if self.concurrency is not None and self.rate_scale != 1.0:
+            raise ValueError("--rate-scale has no meaning with --concurrency: closed-loop clients "
+                             "send when their previous request ends, not at trace times")
 
     def replace(self, **changes) -> "SimConfig":
         return dataclasses.replace(self, **changes)
@@ -122,7 +137,7 @@ def simulate(
 ) -> tuple[Summary, SimResult]:
     """Run one simulation; `workload` (unscaled) may be passed to avoid reloading it."""
     w = workload if workload is not None else load_workload(cfg)
-    if cfg.rate_scale != 1.0:
+    if cfg.rate_scale != 1.0:  # never with concurrency (checked): closed loop ignores trace times
         w = scale_rate(w, cfg.rate_scale)
     cost = cost_model or build_cost_model(cfg)
     opts = PolicyOptions(
@@ -131,11 +146,15 @@ def simulate(
         predictor=with_error(cost, cfg.predictor_error),
     )
     policy = build_policy(cfg.policy, opts)
+    arrivals = (ClosedLoop(w.requests, cfg.concurrency, cfg.think_time)
+                if cfg.concurrency is not None else None)  # None: open-loop trace replay
     sim = Simulator(
         w.requests, policy, cost, build_topology(cfg),
         block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
         snapshot_staleness=cfg.snapshot_staleness,
+        arrivals=arrivals,
     )
     result = sim.run()
+    # Arrivals are the send times the simulator recorded, so throughput is over the real span.
     summary = summarize(result.states, policy=policy.name, wall_s=result.wall_s)
     return summary, result

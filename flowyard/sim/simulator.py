@@ -2,9 +2,9 @@
 
 Events live in one heap ordered by (time, kind, sequence number): at equal times arrivals come
 first, then step ends, then KV landings, each kind in insertion order, so a run is
-deterministic. Arrivals enter the heap one at a time, which keeps the heap small. Events: a request arrives; an instance finishes
-the step(s) it was running; a KV transfer lands. Instances take their step times from the
-cost model.
+deterministic. Events: a request arrives (from an `ArrivalSource`, `flowyard/sim/arrivals.py`:
+trace replay or closed-loop clients; its arrival is recorded as the time the event fires); an
+instance finishes the step(s) it was running; a KV transfer lands. Step times: the cost model.
 
 Speed comes from one exact shortcut. When a local scheduler promises a decode-only run
 (`StepPlan.max_repeats`), the simulator prices all of its steps in one vectorised cost-model
@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,8 +30,9 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role
+from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.registry import Policy
+from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.instance import SimInstance, SimResult
 
@@ -58,23 +59,22 @@ class Simulator:
         on_step: Callable[[int, StepPlan, int], None] | None = None,
         prefix_caching: bool = False,
         snapshot_staleness: float = 0.0,
+        arrivals: ArrivalSource | None = None,
     ) -> None:
         self.requests = list(requests)
+        self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
         self.policy = policy
         self.cost = cost_model
         self.topology = topology
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
-        # Global policies see instance snapshots up to this many seconds old, as a runtime
-        # whose instances report periodically would (0: always current).
+        # global policies see snapshots up to this old, as from a runtime's periodic reports
         self.snapshot_staleness = snapshot_staleness
         self._snap_cache: dict[int, tuple[float, InstanceSnapshot]] = {}
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
         kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
-        self.instances = [
-            SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size)))
-            for i in range(len(policy.roles))
-        ]
+        self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size)))
+                          for i in range(len(policy.roles))]
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
@@ -82,8 +82,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, object]] = []  # (time, kind, seq, payload)
         self._seq = itertools.count()
         self.now = 0.0
-        self.steps = 0
-        self._done = 0
+        self.steps = self._done = 0  # steps executed; requests finished or rejected
         self.preemption_blocking: list[float] = []
 
     # -- ClusterView ---------------------------------------------------------------------
@@ -121,13 +120,11 @@ class Simulator:
     def run(self) -> SimResult:
         start = time.perf_counter()
         states = [RequestState(r) for r in self.requests]
-        pending = sorted(states, key=lambda s: s.req.arrival)
-        nxt = 0
-        if pending:
-            self._push(pending[0].req.arrival, ARRIVAL, pending[0])
-            period = self.policy.global_scheduler.period
-            if period is not None:  # periodic controllers and monitors of the global scheduler
-                self._push(pending[0].req.arrival + period, TIMER, None)
+        first = self.arrivals.initial(states)
+        self._send(first)
+        period = self.policy.global_scheduler.period
+        if first and period is not None:  # the global scheduler's periodic controllers, monitors
+            self._push(min(t for t, _ in first) + period, TIMER, None)
         events = 0
         heap = self._heap
         while heap:
@@ -142,9 +139,7 @@ class Simulator:
                 payload.wake_pending = False  # type: ignore[attr-defined]
                 self._start_step(payload)  # type: ignore[arg-type]
             elif kind == ARRIVAL:
-                nxt += 1
-                if nxt < len(pending):
-                    self._push(pending[nxt].req.arrival, ARRIVAL, pending[nxt])
+                self._send(self.arrivals.on_arrival(payload, t))  # type: ignore[arg-type]
                 self._arrive(payload)  # type: ignore[arg-type]
             elif kind == TIMER:
                 self._timer(payload, len(states))  # type: ignore[arg-type]
@@ -161,15 +156,28 @@ class Simulator:
             preemption_blocking=self.preemption_blocking,
         )
 
+    def _send(self, due: Due) -> None:
+        for t, st in due:
+            self._push(t, ARRIVAL, st)
+
+    def _ended(self, st: RequestState, reject: str | None = None) -> None:
+        """st finished, or is rejected for `reject`: count it; the arrival source may send more."""
+        if reject is not None:
+            st.status, st.reject_reason = Status.REJECTED, reject
+        self._done += 1
+        self._send(self.arrivals.on_done(st, self.now))
+
     # -- handlers ------------------------------------------------------------------------
     def _arrive(self, st: RequestState) -> None:
+        if st.req.arrival != self.now:  # sent by a closed-loop client: arrival = send time
+            st.req = replace(st.req, arrival=self.now)
         dst = self.policy.global_scheduler.route(st.req, _View(self), self.now)
         if dst is None:
-            self._reject(st, "rejected by the global scheduler")
+            self._ended(st, "rejected by the global scheduler")
             return
         inst = self.instances[dst]
         if not inst.sched.add_request(st, self.now):
-            self._done += 1
+            self._ended(st)
             return
         plan = inst.plan
         if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
@@ -196,11 +204,6 @@ class Simulator:
         self.preemption_blocking.append(t - self.now)
         self._push(t, STEP, (inst, inst.version))
 
-    def _reject(self, st: RequestState, reason: str) -> None:
-        st.status = Status.REJECTED
-        st.reject_reason = reason
-        self._done += 1
-
     def _complete(self, inst: SimInstance, steps: int) -> None:
         plan = inst.plan
         assert plan is not None
@@ -216,7 +219,8 @@ class Simulator:
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
-        self._done += len(result.finished)
+        for st in result.finished:
+            self._ended(st)
         for st in result.handoffs:
             dst = self.policy.global_scheduler.route_decode(st, inst.id, _View(self), self.now)
             st.prefill_instance = inst.id
@@ -305,8 +309,7 @@ class Simulator:
             ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
         else:
             ends = np.array([self.now + float(self.cost.step_time(plan.shape(k)))])
-        inst.plan = plan
-        inst.ends = ends
+        inst.plan, inst.ends = plan, ends
         inst.version += 1
         inst.busy_s += float(ends[-1] - self.now)
         self._push(float(ends[-1]), STEP, (inst, inst.version))
@@ -314,9 +317,8 @@ class Simulator:
     def _check_conservation(self, states: list[RequestState]) -> None:
         stuck = [s.id for s in states if s.status not in (Status.FINISHED, Status.REJECTED)]
         if stuck:
-            raise SimulationError(
-                f"{len(stuck)} request(s) neither finished nor rejected, e.g. ids {stuck[:5]}"
-            )
+            raise SimulationError(f"{len(stuck)} request(s) neither finished nor rejected, "
+                                  f"e.g. ids {stuck[:5]}")
         for inst in self.instances:
             leaked = inst.sched.kv.leaked()
             if leaked or inst.sched.has_work():
