@@ -94,3 +94,17 @@ def test_reference_counts_and_conservation(prompts, blocks, frees):
     for r in live:
         kv.free(r)
     assert kv.num_free_blocks == blocks and not kv.leaked()
+
+
+def test_turns_of_a_session_without_tokens_share_their_prompt_blocks():
+    """Trace requests of a multi-turn session (no token ids) hit the previous turn's prompt, and
+    peek_prefix predicts the hit without attaching anything."""
+    kv = PrefixCachingKVManager(num_blocks=64, block_size=4)
+    t0 = RequestState(Request(1, 0.0, prompt_len=22, output_len=5, session="s7"))
+    assert compute(kv, t0) == 0
+    kv.free(t0.id)
+    t1 = RequestState(Request(2, 9.0, prompt_len=40, output_len=3, session="s7", turn=1, history_len=27))
+    other = RequestState(Request(3, 9.0, prompt_len=40, output_len=3, session="s8"))
+    assert kv.peek_prefix(t1) == 20 and kv.num_free_blocks == 64
+    assert compute(kv, t1) == 20  # the 5 full blocks of turn 0's prompt
+    assert compute(kv, other) == 0

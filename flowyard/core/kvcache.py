@@ -89,6 +89,10 @@ class KVCacheManager:
         """Attach cached prefix blocks to a request with no blocks; tokens covered."""
         return 0
 
+    def peek_prefix(self, st: "RequestState") -> int:
+        """Tokens match_prefix would attach now, changing nothing."""
+        return 0
+
     def register(self, st: "RequestState") -> None:
         """Publish a request's newly computed full blocks for reuse."""
 

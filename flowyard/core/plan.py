@@ -48,6 +48,7 @@ class BatchShape:
     prefill_kv: float = 0
     decode_seqs: int = 0
     decode_ctx: float | np.ndarray = 0
+    graphed: bool = False  # replayed as a captured graph: per-kernel launch costs mostly vanish
 
     @property
     def tokens(self) -> float:
@@ -74,6 +75,9 @@ class StepPlan:
     would schedule the same decode-only batch (each context one token longer) that many
     times; KV for all of them is already reserved. An executor may run fewer steps.
 
+    graph = (L, B) asks the executor to pad the prefills to a captured shape (PLA-Serve's
+    short-prefill buckets) and replay its graph; executors without graphs run it eagerly.
+
     preempt_stride > 0 makes the step preemptible (FlowPrefill): the executor may suspend it
     after any operator whose 1-based index is a multiple of the stride (1: every operator
     boundary, 5: every layer) and later resume it. ops_done counts the operators already
@@ -85,6 +89,7 @@ class StepPlan:
     max_repeats: int = 1
     preempt_stride: int = 0
     ops_done: int = 0
+    graph: tuple[int, int] | None = None  # (L, B): prefills padded to a captured graph shape
 
     @property
     def empty(self) -> bool:
@@ -96,8 +101,13 @@ class StepPlan:
 
     def shape(self, repeats: int = 1) -> BatchShape:
         """Batch shape of this step; with repeats > 1, decode_ctx is an array over the run."""
-        pre = [(s.start, s.n) for s in self.prefills]
+        if self.graph is not None:  # every row padded to L, and B - n padding rows
+            length, depth = self.graph
+            pre = [(s.start, length) for s in self.prefills] + [(0, length)] * (depth - len(self.prefills))
+        else:
+            pre = [(s.start, s.n) for s in self.prefills]
         shape = BatchShape.of(pre, [])
+        shape.graphed = self.graph is not None
         nd = len(self.decodes)
         ctx0 = sum(d.num_computed + 1 for d in self.decodes)
         shape.decode_seqs = nd

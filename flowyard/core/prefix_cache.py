@@ -7,7 +7,9 @@ under its key. Freed blocks keep their key and stay findable until the allocator
 same system prompt, finds its history already in KV and prefills only the rest.
 
 Requests with token ids (the engine) hash their tokens; trace requests hash Mooncake-style
-`block_hashes`, each covering `hash_block_size` tokens; requests with neither never hit.
+`block_hashes`, each covering `hash_block_size` tokens; turns of a multi-turn session (trace
+requests without tokens) key block j of their prompt as (session, j), since every turn's
+prompt extends the previous turn's; other requests never hit.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def block_keys(st: RequestState, block_size: int, upto: int) -> list[Hashable]:
             if (j + 1) * block_size > (t // hbs + 1) * hbs:
                 break  # a block that straddles two hash blocks: stop matching here
             keys.append((req.block_hashes[t // hbs], t % hbs))
+    elif req.session is not None:  # a conversation only appends: block j is the same in every turn
+        for j in range(len(keys), min(n_full, req.prompt_len // block_size)):
+            keys.append((req.session, j))
     return keys[:n_full]
 
 
@@ -140,6 +145,18 @@ class PrefixCachingKVManager(KVCacheManager):
         hit = len(table) * self.block_size
         self.hits += min(hit, st.req.prompt_len)
         return hit
+
+    def peek_prefix(self, st: RequestState) -> int:
+        """Tokens `match_prefix` would attach now, without attaching or counting anything
+        (schedulers size batches by what is really left to compute)."""
+        if self._tables.get(st.id):
+            return 0
+        n = 0
+        for key in block_keys(st, self.block_size, st.seq_len - 1):
+            if key not in self._cached:
+                break
+            n += 1
+        return n * self.block_size
 
     def register(self, st: RequestState) -> None:
         """Publish the request's newly computed full blocks under their keys."""

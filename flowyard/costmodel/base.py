@@ -18,7 +18,7 @@ from flowyard.core.plan import BatchShape
 # between them). Norms and RoPE are folded into the operator that follows them.
 LAYER_OPS: tuple[str, ...] = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
 # Per-step operators outside the layers, and the tensor-parallel collective.
-STEP_OPS: tuple[str, ...] = ("embed", "lm_head", "allreduce", "overhead")
+STEP_OPS: tuple[str, ...] = ("embed", "lm_head", "allreduce", "overhead", "graph")
 
 Seconds = float | np.ndarray
 

@@ -31,6 +31,7 @@ class RooflineParams:
     eff_attn_mem  decode attention KV stream / HBM bw
     ar_eff, ar_latency_s   all-reduce bus bandwidth / link bandwidth, and its fixed latency
     step_overhead_s, seq_overhead_s   per-step and per-sequence CPU time not hidden by the GPU
+    graph_saving  share of launch and per-step CPU time a graph replay removes
     """
 
     eff_compute: float
@@ -45,6 +46,9 @@ class RooflineParams:
     ar_latency_s: float
     step_overhead_s: float = 300e-6
     seq_overhead_s: float = 5e-6
+    # Share of kernel-launch and per-step CPU time a captured graph removes (our assumption,
+    # after PLA-Serve Fig. 5 and vLLM's decode graphs; only steps with BatchShape.graphed).
+    graph_saving: float = 0.7
 
 
 # Fitted by `python -m flowyard.costmodel.calibrate` on the Vidur a100 (Meta-Llama-3-8B,

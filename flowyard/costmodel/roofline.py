@@ -112,6 +112,10 @@ class RooflineCostModel(CostModel):
         self._lm_norm = 2 * h * b / elem
         self._lm_c = p.gemm_fixed_s + p.launch_s + self._ar_c / 2
         self._ovh_c, self._ovh_seq = p.step_overhead_s, p.seq_overhead_s
+        # What a graph replay saves: per-kernel launches of every layer and the CPU step time.
+        elem_launch = self._lin_launch - len(self._lin) * p.gemm_fixed_s + self._attn_launch
+        self._graph_c = p.graph_saving * (m.layers * elem_launch + self._ovh_c)
+        self._graph_seq = p.graph_saving * self._ovh_seq
         # Memory: weights held per GPU (K/V projections replicate with the KV heads).
         self.weight_bytes_per_gpu = int(b * (m.layers * sum(k * n for k, n in self.gemms.values())
                                              + m.vocab * h / tp * (1 if m.tied_embeddings else 2)))
@@ -140,7 +144,8 @@ class RooflineCostModel(CostModel):
                  + (self._lin_elem + self._attn_elem + self._ar_row) * T
                  + self._lin_launch + self._attn_launch + self._ar_c)
         rows = ps + ds
-        return (self.num_layers * layer
+        cut = (self._graph_c + self._graph_seq * rows) if shape.graphed else 0.0
+        return (self.num_layers * layer - cut
                 + self._emb_row * T + self._emb_c
                 + mx(self._lm_a * rows, self._lm_w + self._lm_b * rows) + self._lm_norm * T
                 + self._lm_c + (self._lm_gather + self._ovh_seq) * rows + self._ovh_c)
@@ -168,10 +173,13 @@ class RooflineCostModel(CostModel):
         rows = shape.prefill_seqs + shape.decode_seqs
         lm = (_max_for(shape)(self._lm_a * rows, self._lm_w + self._lm_b * rows)
               + self._lm_gather * rows)
-        return {"embed": _scalar(self._emb_row * T + self._emb_c),
-                "lm_head": _scalar(lm + self._lm_norm * T + self._lm_c),
-                "overhead": _scalar(self._ovh_c + self._ovh_seq * rows
-                                    + 0.0 * np.asarray(shape.decode_ctx, dtype=float))}
+        out = {"embed": _scalar(self._emb_row * T + self._emb_c),
+               "lm_head": _scalar(lm + self._lm_norm * T + self._lm_c),
+               "overhead": _scalar(self._ovh_c + self._ovh_seq * rows
+                                   + 0.0 * np.asarray(shape.decode_ctx, dtype=float))}
+        if shape.graphed:
+            out["graph"] = -(self._graph_c + self._graph_seq * rows)
+        return out
 
     # -- the two sides of the roofline (PLA-Serve's compute-memory boundary) ----------------
     def compute_memory_split(self, shape: BatchShape) -> tuple[Seconds, Seconds]:

@@ -45,6 +45,10 @@ class InstanceSnapshot:
     kv_total_blocks: int
     block_size: int
     num_migrating_in: int = 0
+    # Instance-monitor counters (cumulative; controllers difference them between ticks):
+    busy_s: float = 0.0  # seconds spent running steps
+    slo_done: int = 0  # requests with a TTFT SLO that produced their first token here
+    slo_late: int = 0  # ... of which missed it
 
     @property
     def kv_usage(self) -> float:

@@ -11,6 +11,8 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, length_model_of
+from flowyard.policies.pla_router import ControllerConfig, PLARouter
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
 
@@ -34,6 +36,8 @@ class PolicyOptions:
     # refuse to build without it.
     predictor: CostModel | None = None
     flowprefill: FlowPrefillConfig | None = None  # override FlowPrefill's knobs (ablations)
+    pla: PLAConfig | None = None  # override PLA-Serve's knobs (variants)
+    pla_controller: ControllerConfig | None = None
 
 
 @dataclass
@@ -112,6 +116,32 @@ def _flowprefill(name: str, o: PolicyOptions) -> Policy:
     return Policy(name, RoundRobinPD(), roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
 
 
+def _pla_spatial(name: str, o: PolicyOptions) -> Policy:
+    """PLA-Serve with spatial disaggregation: short and long prefill pools (Alg. 2)."""
+    return _pla(name, dataclasses.replace(o, pla=dataclasses.replace(
+        o.pla or PLAConfig(max_num_seqs=o.max_num_seqs), spatial=True)))
+
+
+def _pla(name: str, o: PolicyOptions) -> Policy:
+    """PLA-Serve (§3): PD disaggregation; prefill instances split short/long by the fitted
+    compute-memory boundary, AWD batches for short prefills, C_l chunks for long ones, never
+    in the same step (temporal disaggregation); new requests to the least-loaded prefill
+    instance. `pla-spatial` adds short and long pools under the pressure controller."""
+    roles = _pd_roles(name, o)
+    if o.predictor is None:
+        raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) to fit its length boundary")
+    cfg = o.pla or PLAConfig(max_num_seqs=o.max_num_seqs)
+    predictor = o.predictor
+    lengths = length_model_of(predictor)
+    router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary)
+
+    def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+        return PLAPrefillScheduler(instance, role, kv, cfg, predictor, lengths)
+
+    decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
+    return Policy(name, router, roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
+
+
 _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "vllm": _colocated(VllmDataParallel),
     "round-robin": _colocated(RoundRobin),
@@ -120,6 +150,8 @@ _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "distserve-cp2k": _distserve(2048, "edf"),
     "distserve-cp8k": _distserve(8192, "edf"),
     "flowprefill": _flowprefill,
+    "pla": _pla,
+    "pla-spatial": _pla_spatial,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

@@ -1,0 +1,136 @@
+"""PLA-Serve's spatial disaggregation: short and long prefill pools and the instance-pressure
+controller that moves instances between them (PLA-Serve §3.2, Alg. 2).
+
+Each request goes to the pool of its class (short when its new tokens are below the
+compute-memory boundary L_m at its history, §2.1) and, inside the pool, to the instance with
+the least queued prompt work. Every control period Δt the controller measures each
+instance's pressure
+
+    ψ_k = α·q_k + β·e_k − γ·u_k
+
+with q_k its backlog (seconds of queued prefill, predicted), e_k its SLA deviation (share of
+the requests it finished in the period that missed their TTFT deadline) and u_k its spare
+capacity (idle share of the period), aggregates each pool robustly (P90), and, outside a
+cool-down, moves one instance from the calmer pool to the pressed one when
+P_s > (1 + τ)·P_l (or the reverse), never leaving a pool below n_min. Instances keep serving
+what is already in their queues; only new requests follow the new pools.
+
+Our reading of u: the paper calls it GPU utilisation, but with ψ falling as u rises a busy
+pool would look calmer than an idle one and the controller would move instances towards the
+idle pool (we saw it oscillate that way). Read as spare capacity (1 − busy share), −γu makes
+an idle pool give up an instance first, which is what the surrounding text describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flowyard.core.request import Request, RequestState
+from flowyard.costmodel.base import CostModel
+from flowyard.policies.base import ClusterView, InstanceSnapshot, Role
+from flowyard.policies.pla import is_short
+from flowyard.policies.pla_boundary import LengthModel
+from flowyard.policies.routers import DistServeDispatch
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    period: float = 1.0  # Δt, seconds
+    cooldown: float = 5.0  # T_cool
+    hysteresis: float = 0.25  # τ
+    min_pool: int = 1  # n_min
+    alpha: float = 1.0  # per second of backlog
+    beta: float = 1.0  # per unit of late share
+    gamma: float = 0.5  # per unit of spare capacity (idle share)
+    quantile: float = 90.0  # the robust aggregator A(): P90
+    short_share: float = 0.5  # initial share of prefill instances in the short pool
+
+    def __post_init__(self) -> None:
+        if self.period <= 0 or self.cooldown < 0 or self.hysteresis < 0 or self.min_pool < 1:
+            raise ValueError("controller period must be positive; cooldown, hysteresis >= 0; min_pool >= 1")
+        if not 0 <= self.short_share <= 1 or not 0 <= self.quantile <= 100:
+            raise ValueError("short_share must be in [0, 1] and quantile in [0, 100]")
+
+
+@dataclass
+class Pools:
+    short: list[int] = field(default_factory=list)
+    long: list[int] = field(default_factory=list)
+    moves: list[tuple[float, int, str]] = field(default_factory=list)  # (time, instance, to pool)
+
+
+class PLARouter(DistServeDispatch):
+    name = "pla"
+
+    def __init__(self, lengths: LengthModel, predictor: CostModel,
+                 controller: ControllerConfig | None = None, spatial: bool = True,
+                 boundary: int | None = None) -> None:
+        self.lengths, self.boundary = lengths, boundary
+        self.controller = controller or ControllerConfig()
+        self.spatial = spatial
+        self.period = self.controller.period if spatial else None
+        self.pools: Pools | None = None
+        self._per_token = predictor.prefill_time(2048) / 2048  # backlog tokens -> seconds
+        self._last: dict[int, tuple[float, int, int]] = {}  # instance -> (busy_s, late, done)
+        self._last_move = float("-inf")
+        self._last_tick: float | None = None
+
+    def _init_pools(self, view: ClusterView) -> Pools:
+        ids = list(view.instances(Role.PREFILL))
+        n_s = min(len(ids) - 1, max(1, round(len(ids) * self.controller.short_share))) if len(ids) > 1 else 0
+        self.pools = Pools(short=ids[:n_s], long=ids[n_s:])
+        return self.pools
+
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        pools = self.pools or self._init_pools(view)
+        ids = list(view.instances(Role.PREFILL))
+        if self.spatial and pools.short and pools.long:
+            ids = pools.short if is_short(req, self.lengths, self.boundary) else pools.long
+        return min(ids, key=lambda i: (view.snapshot(i).waiting_tokens, i))
+
+    # -- Alg. 2 ----------------------------------------------------------------------------------
+    def _pressure(self, s: InstanceSnapshot, dt: float) -> float:
+        c = self.controller
+        busy0, late0, done0 = self._last.get(s.instance, (0.0, 0, 0))
+        self._last[s.instance] = (s.busy_s, s.slo_late, s.slo_done)
+        done = s.slo_done - done0
+        e = (s.slo_late - late0) / done if done else 0.0
+        u = 1.0 - min(1.0, (s.busy_s - busy0) / dt) if dt > 0 else 0.0  # spare capacity
+        q = s.waiting_tokens * self._per_token
+        return c.alpha * q + c.beta * e - c.gamma * u
+
+    def tick(self, view: ClusterView, now: float) -> None:
+        pools = self.pools or self._init_pools(view)
+        dt = now - self._last_tick if self._last_tick is not None else self.controller.period
+        self._last_tick = now
+        psi = {i: self._pressure(view.snapshot(i), dt) for i in pools.short + pools.long}
+        if not pools.short or not pools.long:
+            return
+        c = self.controller
+        p_s = float(np.percentile([psi[i] for i in pools.short], c.quantile))
+        p_l = float(np.percentile([psi[i] for i in pools.long], c.quantile))
+        if now - self._last_move < c.cooldown:
+            return
+        if _exceeds(p_s, p_l, c.hysteresis) and len(pools.long) > c.min_pool:
+            self._move(pools.long, pools.short, min(pools.long, key=lambda i: psi[i]), now, "short")
+        elif _exceeds(p_l, p_s, c.hysteresis) and len(pools.short) > c.min_pool:
+            self._move(pools.short, pools.long, min(pools.short, key=lambda i: psi[i]), now, "long")
+
+    def _move(self, src: list[int], dst: list[int], inst: int, now: float, to: str) -> None:
+        src.remove(inst)
+        dst.append(inst)
+        dst.sort()
+        self._last_move = now
+        assert self.pools is not None
+        self.pools.moves.append((now, inst, to))
+
+    def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
+        return super().route_decode(state, src, view, now)
+
+
+def _exceeds(a: float, b: float, tau: float) -> bool:
+    """a > (1 + τ)·b, read as a margin of τ·|b| so that it still means "clearly larger" when
+    pressures are negative (ψ subtracts utilisation)."""
+    return a - b > tau * abs(b) + 1e-12
