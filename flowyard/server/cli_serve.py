@@ -68,10 +68,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy
 
-        slo_aware = args.policy.lower() == "flowprefill"
+        slo_aware = args.policy.lower() in ("flowprefill", "pla", "pla-spatial")
         if slo_aware and use_ray:
-            raise ValueError("--policy flowprefill preempts at operator boundaries inside the "
-                             "serving process: run it without --ray")
+            raise ValueError(f"--policy {args.policy} runs its instances in the serving process "
+                             "(preemption at operator boundaries, shared pools): run it without --ray")
         policy = build_policy(args.policy, PolicyOptions(
             num_instances=args.instances, num_prefill=args.prefill_instances,
             chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
