@@ -116,3 +116,55 @@ def test_real_engine_sleeps_until_the_window_closes_instead_of_spinning(tmp_path
         client.shutdown()
     assert WINDOW - 0.02 <= ttft < WINDOW + 0.5
     assert calls["n"] < 20  # woke at the window's end, not polled in a loop
+
+
+class MoveEveryOther(RoundRobin):
+    """A global scheduler that decides decodes after prefill (Arrow's seam): odd ids move."""
+
+    routes_decode = True
+
+    def route(self, req, view, now):
+        return 0
+
+    def route_decode(self, state, src, view, now):
+        return 1 if state.id % 2 else src
+
+
+def test_simulator_moves_decodes_a_stateless_policy_routes_elsewhere():
+    cfg = BatchConfig()
+    pol = Policy("arrow-like", MoveEveryOther(), [Role.MIXED, Role.MIXED], {Role.MIXED: cfg})
+    reqs = make_requests(n=40, rate=50.0, prompt=(16, 200), out=(2, 30))
+    res = Simulator(reqs, pol, LinearCost(), build_topology(SimConfig())).run()
+    for s in res.states:
+        assert s.num_output == s.req.output_len
+        if s.req.output_len > 1:
+            assert s.instance == (1 if s.id % 2 else 0)
+
+
+def test_local_cluster_moves_decodes_with_identical_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    from helpers_models import make_tiny_model
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.loader import load_checkpoint
+    from flowyard.engine.model import CausalLM
+    from flowyard.engine.sampling import SamplingParams
+    from flowyard.runtime.cluster import LocalCluster
+
+    d, _ = make_tiny_model(tmp_path, "llama")
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    cfg = BatchConfig()
+    pol = Policy("arrow-like", MoveEveryOther(), [Role.MIXED, Role.MIXED], {Role.MIXED: cfg})
+    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(kv_cache_tokens=1024))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[3 + i, 5, 7, 9, 11 + i] for i in range(4)]
+    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=1024)).generate(prompts, params)
+    for i, p in enumerate(prompts):
+        c.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+    while c.has_unfinished():
+        for o in c.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [got[f"r{i}"] for i in range(4)] == [r.new_token_ids for r in ref]
+    assert c.migrations == 2

@@ -110,6 +110,8 @@ class LLMEngine:
                 base, max_model_len=self.max_model_len, max_repeats=1))
         self.instance = instance
         self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
+        self.prefilled: list[RequestState] = []  # prefill done here (MIXED role): may migrate
+        self.collect_prefilled = False  # set by a runtime whose policy routes decodes (Arrow)
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
@@ -263,6 +265,8 @@ class LLMEngine:
                          stopped=frozenset(stopped))
         result = self.scheduler.update_from_output(plan, out)
         self.handoffs.extend(result.handoffs)
+        if self.collect_prefilled:
+            self.prefilled.extend(result.prefilled)
         finished = {s.id for s in result.finished}
         outputs = []
         for t in tracked:

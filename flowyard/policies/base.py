@@ -71,6 +71,9 @@ class StepResult:
     finished: list[RequestState] = field(default_factory=list)
     handoffs: list[RequestState] = field(default_factory=list)
     preempted: list[RequestState] = field(default_factory=list)
+    # MIXED instances: requests whose prefill finished this step and that decode on here
+    # unless the global scheduler (routes_decode) sends them elsewhere
+    prefilled: list[RequestState] = field(default_factory=list)
 
 
 class LocalScheduler(ABC):
@@ -160,6 +163,10 @@ class GlobalScheduler(ABC):
     """Cluster policy: where each request starts and where it continues after prefill."""
 
     name: str = "global"
+    # True: `route_decode` is also asked for requests that finish prefill on a MIXED instance;
+    # an answer other than that instance moves the request there with its KV (Arrow's
+    # stateless instances: where a request decodes is decided when its prefill ends).
+    routes_decode: bool = False
     # Seconds between `tick` calls (pool controllers, instance monitors); None: no ticks.
     period: float | None = None
 

@@ -258,6 +258,8 @@ class BatchScheduler(LocalScheduler):
                 self._handed_off[st.id] = st
                 result.handoffs.append(st)
                 removed = True
+            elif st.num_output == 1:
+                result.prefilled.append(st)
         if removed:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return result

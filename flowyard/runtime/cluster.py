@@ -41,6 +41,8 @@ class LocalCluster(ClusterBase):
                           i, kv, max_model_len=max_len, single_step=True))
             for i, role in enumerate(policy.roles)
         ]
+        for e in self.engines:
+            e.collect_prefilled = policy.global_scheduler.routes_decode
         self.max_model_len = min(e.max_model_len for e in self.engines)
         self._where: dict[str, int] = {}  # request id -> instance that tracks it
         self._kv_home: dict[int, int] = {}  # migrating request (int id) -> instance holding its KV
@@ -111,8 +113,15 @@ class LocalCluster(ClusterBase):
                 if out.finished:
                     self._where.pop(out.request_id, None)
             handoffs, engine.handoffs = engine.handoffs, []
+            prefilled, engine.prefilled = engine.prefilled, []
             for st in handoffs:
                 self._hand_off(engine, st)
+            if self.policy.global_scheduler.routes_decode:  # Arrow: decode where the policy says
+                for st in prefilled:
+                    dst = self.policy.global_scheduler.route_decode(st, engine.instance, self, self.now())
+                    if dst != engine.instance and engine.scheduler.hand_off(st.id) is not None:
+                        st.prefill_instance = engine.instance
+                        self._move(engine, self.engines[dst], st)
             self._admit(engine)
         return outputs
 

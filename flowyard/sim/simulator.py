@@ -221,8 +221,14 @@ class Simulator:
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
         for st in result.finished:
             self._ended(st)
-        for st in result.handoffs:
-            dst = self.policy.global_scheduler.route_decode(st, inst.id, _View(self), self.now)
+        gs = self.policy.global_scheduler
+        moves = [(st, gs.route_decode(st, inst.id, _View(self), self.now)) for st in result.handoffs]
+        if gs.routes_decode:  # stateless instances: the decode may move after the prefill
+            for st in result.prefilled:
+                dst = gs.route_decode(st, inst.id, _View(self), self.now)
+                if dst != inst.id and inst.sched.hand_off(st.id) is not None:
+                    moves.append((st, dst))
+        for st, dst in moves:
             st.prefill_instance = inst.id
             target = self.instances[dst]
             target.sched.add_migration(st, self.now)
