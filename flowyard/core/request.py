@@ -123,6 +123,10 @@ class RequestState:
     reject_reason: str | None = None
     output_tokens: list[int] = field(default_factory=list)
     prefix_keys: list = field(default_factory=list)  # cache of prefix_cache.block_keys
+    # A micro-request plan (DynaServe): once the first split_at tokens of the sequence have KV
+    # on the instance that started the request, it moves to instance split_to and goes on there.
+    split_at: int | None = None
+    split_to: int | None = None
 
     @property
     def id(self) -> int:

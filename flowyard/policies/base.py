@@ -49,6 +49,12 @@ class InstanceSnapshot:
     busy_s: float = 0.0  # seconds spent running steps
     slo_done: int = 0  # requests with a TTFT SLO that produced their first token here
     slo_late: int = 0  # ... of which missed it
+    # Arrow's TTFT predictor and monitor (BatchScheduler fills them; others keep the defaults):
+    # (tokens computed, tokens still to compute) of each queued or partially prefilled request,
+    # in no particular order: prefill time is quadratic in length, so a token total is not enough
+    prefill_queue: tuple[tuple[int, int], ...] = ()
+    num_decoding: int = 0  # running requests past their prefill
+    token_interval: float = 0.0  # recent seconds between steps that decode (a TPOT proxy)
 
     @property
     def kv_usage(self) -> float:
@@ -176,6 +182,11 @@ class GlobalScheduler(ABC):
     @abstractmethod
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         """Instance that receives a new request; None rejects it."""
+
+    def split_point(self, req: Request, dst: int, view: ClusterView, now: float) -> tuple[int, int] | None:
+        """For a request just routed to `dst`: split it into micro-requests? (s, B) runs tokens
+        1..s on dst and the rest on instance B (DynaServe); None runs it whole."""
+        return None
 
     def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
         """Instance that decodes a request whose prefill finished on PREFILL instance `src`."""

@@ -14,12 +14,15 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
 from flowyard.core.kvcache import KVCacheManager, cdiv
 from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
 
 INF = float("inf")
+TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,10 @@ class BatchScheduler(LocalScheduler):
         self._handed_off: dict[int, RequestState] = {}  # prefill done, KV held until release
         self.last_preempted: list[RequestState] = []
         self._run: StepPlan | None = None  # decode run in flight with KV reserved ahead
+        # Instance monitor (Arrow): EWMA of the time between consecutive steps that decode
+        self._plan_start: float | None = None  # `now` of the last schedule() that made a plan
+        self._decode_end: float | None = None  # end of the last step that decoded, None after a gap
+        self._token_interval: float | None = None
 
     # -- queue -----------------------------------------------------------------------------
     def _key(self, st: RequestState) -> tuple[float, ...]:
@@ -136,7 +143,7 @@ class BatchScheduler(LocalScheduler):
             budget = cfg.max_num_batched_tokens - plan.num_tokens
             if st.status is not Status.RUNNING or budget <= 0:
                 continue
-            n = self._chunk(st.uncomputed, budget, plan)
+            n = self._chunk(self._want(st), budget, plan)
             if n and self._grow(st, st.num_computed + n, plan):
                 plan.prefills.append(PrefillSlice(st, st.num_computed, n))
         # 2. waiting requests in queue order, head-of-line blocking
@@ -145,7 +152,7 @@ class BatchScheduler(LocalScheduler):
             st = self._waiting[0][2]
             cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
             st.num_computed += cached
-            n = self._chunk(st.uncomputed, budget, plan)
+            n = self._chunk(self._want(st), budget, plan)
             if not n or not self.kv.allocate(st.id, st.num_computed + n):
                 if cached:  # give the shared prefix back; it is matched again next time
                     self.kv.free(st.id)
@@ -157,11 +164,20 @@ class BatchScheduler(LocalScheduler):
             plan.prefills.append(PrefillSlice(st, st.num_computed, n))
             budget -= n
         if plan.empty:
+            self._decode_end = None  # idle: the next decode's interval starts at its plan
             return None
+        self._plan_start = now
         if not plan.prefills and not self._migration_fits():
             plan.max_repeats = self._reserve_run(plan)
             self._run = plan if plan.max_repeats > 1 else None
         return plan
+
+    @staticmethod
+    def _want(st: RequestState) -> int:
+        """Tokens to compute next: the rest of the sequence, or up to a micro-request's split."""
+        if st.split_at is not None and st.num_computed < st.split_at:
+            return min(st.uncomputed, st.split_at - st.num_computed)
+        return st.uncomputed
 
     def _chunk(self, want: int, budget: int, plan: StepPlan) -> int:
         if self.config.chunked_prefill:
@@ -188,6 +204,8 @@ class BatchScheduler(LocalScheduler):
             cap = min(cap, self.max_model_len - d.seq_len)
             if d.req.max_tokens is not None:
                 cap = min(cap, d.req.max_tokens - d.num_output)
+            if d.split_at is not None and d.num_computed < d.split_at:
+                cap = min(cap, d.split_at - d.num_computed)
         cap = max(cap, 1)
         free = self.kv.num_free_blocks
         ctx = [(d.num_computed, self.kv.num_held(d.id)) for d in plan.decodes]
@@ -220,7 +238,31 @@ class BatchScheduler(LocalScheduler):
         for d in plan.decodes:
             d.num_computed += out.steps
             d.record_tokens(out.end_times)
+        self._note_steps(plan, out.end_times)
         plan.max_repeats -= out.steps
+
+    def _note_steps(self, plan: StepPlan, times) -> None:
+        """Monitor: fold the token intervals of these steps into the EWMA. An interval is the
+        time from the previous decoding step's end (or from this plan's start, when the step
+        before did not decode) to this step's end: what a decoding user waits per token."""
+        if not plan.decodes or not len(times):
+            self._decode_end = None
+            return
+        prev = self._decode_end if self._decode_end is not None else self._plan_start
+        if prev is None:
+            prev = float(times[0])  # a plan made elsewhere: no start to measure from
+        a = TOKEN_INTERVAL_ALPHA
+        if len(times) == 1:
+            x = float(times[0]) - prev
+            e = self._token_interval
+            self._token_interval = x if e is None else (1 - a) * e + a * x
+        else:
+            xs = np.diff(np.concatenate(([prev], np.asarray(times, dtype=float))))
+            k = len(xs)
+            e = self._token_interval if self._token_interval is not None else float(xs[0])
+            w = a * (1 - a) ** np.arange(k - 1, -1, -1)
+            self._token_interval = float((1 - a) ** k * e + w @ xs)
+        self._decode_end = float(times[-1])
 
     def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
         self._run = None
@@ -228,6 +270,7 @@ class BatchScheduler(LocalScheduler):
         times = out.end_times
         result = StepResult(preempted=self.last_preempted)
         sampled = out.sampled
+        self._note_steps(plan, times)
         touched: list[RequestState] = []
         for d in plan.decodes:
             d.num_computed += steps
@@ -247,13 +290,17 @@ class BatchScheduler(LocalScheduler):
                 if sampled is not None:
                     st.output_tokens.extend(sampled.get(st.id, ()))
                 touched.append(st)
+            elif st.split_at is not None and st.num_computed >= st.split_at:
+                touched.append(st)  # a micro-request's first segment ends inside the prompt
         removed = False
         for st in touched:
-            if st.done or st.id in out.stopped or st.seq_len >= self.max_model_len:
+            split = st.split_at is not None and st.num_computed >= st.split_at
+            if st.num_output and (st.done or st.id in out.stopped or st.seq_len >= self.max_model_len):
                 self._finish(st)
                 result.finished.append(st)
                 removed = True
-            elif self.role is Role.PREFILL:
+            elif self.role is Role.PREFILL or split:
+                st.split_at = None  # the rest runs on the next instance as a plain request
                 st.status = Status.MIGRATING
                 self._handed_off[st.id] = st
                 result.handoffs.append(st)
@@ -341,16 +388,19 @@ class BatchScheduler(LocalScheduler):
         return bool(self.running or self._waiting or self._migrations or self._incoming or self._handed_off)
 
     def snapshot(self) -> InstanceSnapshot:
+        partial = [(r.num_computed, r.uncomputed) for r in self.running if r.in_prefill]
         return InstanceSnapshot(
             instance=self.instance,
             role=self.role,
             num_running=len(self.running),
             num_waiting=len(self._waiting),
-            waiting_tokens=self._waiting_tokens
-            + sum(r.uncomputed for r in self.running if r.in_prefill),
+            waiting_tokens=self._waiting_tokens + sum(n for _, n in partial),
             running_tokens=sum(r.seq_len for r in self.running),
             kv_free_blocks=self.kv.num_free_blocks + self._reserved_ahead(),
             kv_total_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             num_migrating_in=len(self._migrations) + len(self._incoming),
+            prefill_queue=tuple(partial) + tuple((w[2].num_computed, w[3]) for w in self._waiting),
+            num_decoding=len(self.running) - len(partial),
+            token_interval=self._token_interval or 0.0,
         )

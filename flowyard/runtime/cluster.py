@@ -80,8 +80,13 @@ class LocalCluster(ClusterBase):
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None, arrival: float | None = None) -> None:
         dst = self._route(request_id, prompt_ids, params, slo)
-        self.engines[dst].add_request(request_id, prompt_ids, params, slo, arrival)
+        engine = self.engines[dst]
+        engine.add_request(request_id, prompt_ids, params, slo, arrival)
         self._where[request_id] = dst
+        st = engine.tracked(request_id).state  # type: ignore[union-attr]
+        split = self.policy.global_scheduler.split_point(st.req, dst, self, self.now())
+        if split:  # a micro-request plan (DynaServe): the rest runs elsewhere after token s
+            st.split_at, st.split_to = split
 
     def abort(self, request_id: str) -> RequestOutput | None:
         where = self._where.pop(request_id, None)
@@ -143,7 +148,10 @@ class LocalCluster(ClusterBase):
     def _hand_off(self, src: LLMEngine, st: RequestState) -> None:
         """A prefill finished on `src`: the request continues on the decode instance the
         global scheduler picks; its KV stays on src until the destination has room."""
-        dst = self.engines[self.policy.global_scheduler.route_decode(st, src.instance, self, self.now())]
+        if st.split_to is not None:  # the second segment of a micro-request
+            dst, st.split_to = self.engines[st.split_to], None
+        else:
+            dst = self.engines[self.policy.global_scheduler.route_decode(st, src.instance, self, self.now())]
         self._move(src, dst, st)
 
     def _move(self, src: LLMEngine, dst: LLMEngine, st: RequestState) -> None:

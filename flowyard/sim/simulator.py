@@ -171,7 +171,10 @@ class Simulator:
     def _arrive(self, st: RequestState) -> None:
         if st.req.arrival != self.now:  # sent by a closed-loop client: arrival = send time
             st.req = replace(st.req, arrival=self.now)
-        dst = self.policy.global_scheduler.route(st.req, _View(self), self.now)
+        gs = self.policy.global_scheduler
+        dst = gs.route(st.req, _View(self), self.now)
+        if dst is not None and (split := gs.split_point(st.req, dst, _View(self), self.now)):
+            st.split_at, st.split_to = split
         if dst is None:
             self._ended(st, "rejected by the global scheduler")
             return
@@ -222,7 +225,7 @@ class Simulator:
         for st in result.finished:
             self._ended(st)
         gs = self.policy.global_scheduler
-        moves = [(st, gs.route_decode(st, inst.id, _View(self), self.now)) for st in result.handoffs]
+        moves = [(st, _next_instance(gs, st, inst.id, _View(self), self.now)) for st in result.handoffs]
         if gs.routes_decode:  # stateless instances: the decode may move after the prefill
             for st in result.prefilled:
                 dst = gs.route_decode(st, inst.id, _View(self), self.now)
@@ -344,3 +347,11 @@ class _View:
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
         return self._sim.snapshot(instance)
+
+
+def _next_instance(gs, st: RequestState, src: int, view: _View, now: float) -> int:
+    """Where a handed-off request continues: its micro-request plan, else the decode router."""
+    if st.split_to is not None:
+        dst, st.split_to = st.split_to, None
+        return dst
+    return gs.route_decode(st, src, view, now)
