@@ -29,7 +29,8 @@ from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.awd import AWDConfig, AWDState
-from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.base import InstanceSnapshot, Role, StepResult
+from flowyard.policies.prefill_only import PrefillOnlyScheduler
 from flowyard.policies.pla_boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
 from flowyard.policies.slack import TTFTPredictor, deadline
 
@@ -73,32 +74,26 @@ class PLAStats:
     busy_s: float = 0.0  # sum of predicted step times: the controller's utilisation signal
 
 
-class PLAPrefillScheduler(LocalScheduler):
+class PLAPrefillScheduler(PrefillOnlyScheduler):
+    policy_name = "PLA-Serve"
+
     def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: PLAConfig,
                  predictor: CostModel, lengths: LengthModel) -> None:
-        if role is not Role.PREFILL:
-            raise ValueError("PLA-Serve schedules prefill instances (PD disaggregation)")
-        self.instance, self.role, self.kv, self.config = instance, role, kv, config
+        super().__init__(instance, role, kv)
+        self.config = config
         self.predict = TTFTPredictor(predictor)
         self.lengths = lengths
-        self.max_model_len = kv.capacity_tokens
         self.short: dict[int, RequestState] = {}  # Q_s in arrival order
         self.long: deque[RequestState] = deque()  # Q_l
         self.awd = AWDState(config.awd)
-        self._handed_off: dict[int, RequestState] = {}
         self.stats = PLAStats()
         self._slo_done = self._slo_late = 0  # the controller's SLA-deviation signal
         self._inflight: list[PrefillSlice] = []  # the step being executed (for snapshots)
 
     # -- queues ------------------------------------------------------------------------------
     def add_request(self, state: RequestState, now: float) -> bool:
-        if state.req.prompt_len + 1 > self.max_model_len:
-            state.status = Status.REJECTED
-            state.reject_reason = (f"prompt of {state.req.prompt_len} tokens does not fit this "
-                                   f"instance (max_model_len {self.max_model_len})")
+        if not self._fits(state):
             return False
-        state.instance = self.instance
-        state.status = Status.WAITING
         if self.is_short(state.req):
             self.short[state.id] = state
             self.awd.arrived(now)
@@ -219,19 +214,6 @@ class PLAPrefillScheduler(LocalScheduler):
         self.stats.busy_s += self.predict.step(plan)
         return plan
 
-    def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
-        st.num_computed += cached
-        n = min(n, st.uncomputed)
-        if not self.kv.allocate(st.id, st.num_computed + n):
-            if cached:
-                self.kv.free(st.id)
-                st.num_computed = 0
-            return False
-        st.status = Status.RUNNING
-        plan.prefills.append(PrefillSlice(st, st.num_computed, n))
-        return True
-
     # -- results -----------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
         self._inflight = []
@@ -244,35 +226,11 @@ class PLAPrefillScheduler(LocalScheduler):
                 st.status = Status.WAITING
                 self.long.appendleft(st)
                 continue
-            st.record_tokens(out.end_times[:1])
-            if out.sampled is not None:
-                st.output_tokens.extend(out.sampled.get(st.id, ()))
+            self._prefilled(st, out, result)
             if st.req.slo.ttft is not None:
                 self._slo_done += 1
                 self._slo_late += st.first_token_time > deadline(st.req)
-            if st.done or st.id in out.stopped:
-                st.status = Status.FINISHED
-                st.finish_time = float(out.end_times[0])
-                self.kv.free(st.id)
-                result.finished.append(st)
-            else:
-                st.status = Status.MIGRATING
-                self._handed_off[st.id] = st
-                result.handoffs.append(st)
         return result
-
-    def add_migration(self, state: RequestState, now: float) -> None:
-        raise ValueError("a PLA-Serve prefill instance does not take migrations")
-
-    def admit_migrations(self, now: float) -> list[RequestState]:
-        return []
-
-    def migration_arrived(self, state: RequestState, now: float) -> None:
-        raise ValueError("a PLA-Serve prefill instance does not take migrations")
-
-    def release(self, req_id: int) -> None:
-        del self._handed_off[req_id]
-        self.kv.free(req_id)
 
     def abort(self, req_id: int) -> RequestState | None:
         st = self.short.pop(req_id, None) or self._handed_off.pop(req_id, None)
