@@ -181,6 +181,35 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    import shlex
+    import time
+
+    from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS, run_experiment
+
+    name = args.name.strip().lower()
+    if name not in EXPERIMENTS:
+        raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
+    command = " ".join(["flowyard reproduce", shlex.quote(name)]
+                       + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
+                       + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
+    start = time.perf_counter()
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+    print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
     g.set_defaults(func=cmd_goodput)
+    from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS
+
+    r = sub.add_parser("reproduce", help="rerun one paper's experiments in the simulator (report + figures)")
+    r.add_argument("name", metavar="NAME", help=f"experiment: {', '.join(EXPERIMENTS)}")
+    r.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"output directory: DIR/NAME.md and DIR/NAME/*.png (default {DEFAULT_OUT})")
+    r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
+    r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
+    r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.engine.cli_profile import add_profile_parser
     from flowyard.server.cli_serve import add_serve_parser

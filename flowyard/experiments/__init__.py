@@ -1,0 +1,40 @@
+"""`flowyard reproduce NAME`: one paper's experiments rerun in the simulator, written up as a
+markdown report with figures. Each experiment is a module with
+
+    run(out_dir, *, quick=False, seed=0, command="", log=None) -> pathlib.Path  (the report)
+
+Shared machinery (memoised simulation points, threshold searches, tables, figures, the report
+writer) is in `common.py`, so later papers' reproductions build their runs the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Callable
+
+#: experiment name -> module (imported only when that experiment runs)
+EXPERIMENTS: dict[str, str] = {
+    "flowprefill": "flowyard.experiments.flowprefill",
+}
+
+DEFAULT_OUT = "docs/results"
+
+
+class UnknownExperimentError(ValueError):
+    pass
+
+
+def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = False, seed: int = 0,
+                   command: str = "", log: Callable[[str], None] | None = None) -> Path:
+    """Run experiment `name`, write its report under `out`; the report's path. `log` gets one
+    line per simulation (None: silent)."""
+    key = name.strip().lower()
+    if key not in EXPERIMENTS:
+        raise UnknownExperimentError(
+            f"unknown experiment {name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
+    module = importlib.import_module(EXPERIMENTS[key])
+    return module.run(Path(out), quick=quick, seed=seed, command=command, log=log)
+
+
+__all__ = ["DEFAULT_OUT", "EXPERIMENTS", "UnknownExperimentError", "run_experiment"]

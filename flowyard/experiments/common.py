@@ -1,0 +1,222 @@
+"""Shared machinery of the paper reproductions: simulation points, searches, figures, reports.
+
+- `Scenario`: one cluster (model, hardware, TP, instances) with one unscaled workload and its
+  cost model; `point(policy, rate, ...)` runs the simulator at a request rate (Arrow's
+  timestamp scaling of that workload) and an SLO scale, with optional FlowPrefill knobs, and
+  memoises the result, so a curve and the search that refines it share their runs.
+- `threshold_search`: evaluate a grid (the plotted curve), then bisect the first crossing of
+  the attainment target: the highest rate (goodput) or the lowest SLO scale that meets it.
+- `Report`, tables, number formats and figure panels live in `report.py`, re-exported here.
+
+Everything is deterministic for a seed: workloads are seeded, the simulator is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from flowyard.core.metrics import meets_slo, summarize
+from flowyard.costmodel.base import CostModel, with_error
+from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.sim.run import SimConfig, build_topology
+from flowyard.sim.simulator import SimulationError, Simulator
+from flowyard.experiments.report import (Report, bar_panel, curve_panel, figure, fmt_ms,  # noqa: F401
+                                         fmt_range, fmt_x, log_x, md_table, ratio, save)
+from flowyard.workloads import Workload, scale_rate
+
+Log = Callable[[str], None]
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One simulation's numbers (what reports need; no request states are kept)."""
+
+    attainment: float
+    throughput_rps: float  # completed requests / makespan
+    input_tokens_per_s: float  # prompt tokens / makespan
+    ttft_p50: float
+    ttft_p99: float
+    by_task: dict[str, float]  # attainment per request task tag
+    blocking: tuple[float, ...]  # preemption blocking times (s), FlowPrefill only
+    wall_s: float
+    events: int
+    error: str = ""  # the run did not finish (SimulationError): attainment is NaN, counted as a miss
+
+    def blocking_stats(self) -> dict[str, float]:
+        b = np.asarray(self.blocking, float)
+        if not len(b):
+            return {"count": 0, "mean": math.nan, "p99": math.nan, "max": math.nan}
+        return {"count": len(b), "mean": float(b.mean()), "p99": float(np.percentile(b, 99)),
+                "max": float(b.max())}
+
+
+def run_point(cfg: SimConfig, workload: Workload, cost: CostModel,
+              flowprefill: FlowPrefillConfig | None = None) -> Point:
+    """One simulation as `flowyard.sim.run.simulate` assembles it, plus FlowPrefill's knobs.
+    A run that ends with requests stuck (a scheduler deadlock) gives a Point with NaN numbers
+    and the error, so a sweep records it as a miss instead of stopping."""
+    w = scale_rate(workload, cfg.rate_scale) if cfg.rate_scale != 1.0 else workload
+    opts = PolicyOptions(num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
+                         chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
+                         predictor=with_error(cost, cfg.predictor_error), flowprefill=flowprefill)
+    sim = Simulator(w.requests, build_policy(cfg.policy, opts), cost, build_topology(cfg),
+                    block_size=cfg.block_size, prefix_caching=cfg.prefix_caching,
+                    snapshot_staleness=cfg.snapshot_staleness)
+    try:
+        res = sim.run()
+    except SimulationError as e:
+        nan = math.nan
+        return Point(nan, nan, nan, nan, nan, {}, (), 0.0, 0, error=f"{type(e).__name__}: {e}")
+    s = summarize(res.states, policy=cfg.policy, wall_s=res.wall_s)
+    tasks: dict[str, list[bool]] = {}
+    for st in res.states:
+        tasks.setdefault(st.req.task or "-", []).append(meets_slo(st))
+    return Point(s.slo_attainment, s.throughput_rps,
+                 s.input_tokens / s.duration_s if s.duration_s > 0 else 0.0,
+                 s.ttft["p50"], s.ttft["p99"], {k: float(np.mean(v)) for k, v in sorted(tasks.items())},
+                 tuple(res.preemption_blocking), res.wall_s, res.events)
+
+
+@dataclass
+class Tally:
+    """Work done by all scenarios of one experiment (for the report's footer)."""
+
+    runs: int = 0
+    events: int = 0
+    sim_wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)  # "what: error" of runs that did not finish
+
+
+class Scenario:
+    """A cluster and an unscaled workload whose mean arrival rate is `base_rate` req/s."""
+
+    def __init__(self, name: str, cfg: SimConfig, workload: Workload, cost: CostModel, *,
+                 tally: Tally | None = None, log: Log | None = None) -> None:
+        self.name, self.cfg, self.workload, self.cost = name, cfg, workload, cost
+        t = workload.arrivals()
+        self.base_rate = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 1.0
+        self.tally = tally if tally is not None else Tally()
+        self.log = log
+        self._cache: dict[tuple, Point] = {}
+        self._slo_scaled: dict[float, Workload] = {1.0: workload}
+
+    def _with_slo(self, factor: float) -> Workload:
+        if factor not in self._slo_scaled:
+            from flowyard.workloads.multitask import scale_slo
+
+            self._slo_scaled[factor] = scale_slo(self.workload, factor)
+        return self._slo_scaled[factor]
+
+    def point(self, policy: str, rate: float, *, slo_scale: float = 1.0,
+              flowprefill: FlowPrefillConfig | None = None, label: str | None = None) -> Point:
+        key = (policy, round(rate, 9), round(slo_scale, 9), flowprefill)
+        if key not in self._cache:
+            cfg = self.cfg.replace(policy=policy, rate_scale=rate / self.base_rate)
+            p = run_point(cfg, self._with_slo(slo_scale), self.cost, flowprefill)
+            self.tally.runs += 1
+            self.tally.events += p.events
+            self.tally.sim_wall_s += p.wall_s
+            if p.error:
+                self.tally.failures.append(f"{self.name}, {label or policy}, {rate:.3f} req/s, SLO x{slo_scale:g}: "
+                                           f"{p.error}")
+            if self.log is not None:
+                self.log(f"  {self.name:>12} {label or policy:>16}  rate {rate:7.3f}  slo x{slo_scale:5.2f}"
+                         f"  attainment {p.attainment:6.1%}  ({p.wall_s:.2f} s)")
+            self._cache[key] = p
+        return self._cache[key]
+
+
+@dataclass
+class Threshold:
+    """Result of `threshold_search`: `value` is the best x meeting the target (0 for a max
+    search / inf for a min search when none does); `curve` every evaluated (x, attainment)."""
+
+    value: float
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    capped: bool = False  # still met at the last point tried: the true value lies beyond
+    never_met: bool = False
+
+    def text(self, fmt: str = "{:.2f}") -> str:
+        if self.never_met:
+            return "not met"
+        return (">= " if self.capped and math.isfinite(self.value) and self.value > 0 else "") + fmt.format(self.value)
+
+
+def threshold_search(f: Callable[[float], float], grid: Sequence[float], target: float = 0.9, *,
+                     find: str = "max", tol: float = 0.03, extend: int = 3) -> Threshold:
+    """find="max": the largest x with f(x) >= target, f non-increasing (rate -> attainment);
+    find="min": the smallest such x, f non-decreasing (SLO scale -> attainment).
+
+    Every grid point is evaluated (the curve). Scanning from the easy end, the first failing
+    point and the passing point before it bracket the crossing, which is bisected until the
+    bracket is within `tol` (relative). If every grid point passes, the search extends
+    beyond (x2 / x0.5) up to `extend` times; if none does, it retreats likewise."""
+    if find not in ("max", "min"):
+        raise ValueError(f"find must be 'max' or 'min', got {find!r}")
+    seen: dict[float, float] = {}
+
+    def ok(x: float) -> bool:
+        if x not in seen:
+            seen[x] = float(f(x))
+        return seen[x] >= target - 1e-9
+
+    def done(**kw) -> Threshold:
+        return Threshold(curve=sorted(seen.items()), **kw)
+
+    harder = (lambda x: x * 2) if find == "max" else (lambda x: x / 2)
+    easier = (lambda x: x / 2) if find == "max" else (lambda x: x * 2)
+    pts = sorted(grid, reverse=(find == "min"))  # easy end first
+    flags = [ok(x) for x in pts]
+    good = bad = None
+    for x, passed in zip(pts, flags):
+        if not passed:
+            bad = x
+            break
+        good = x
+    if bad is None:  # all pass: push on
+        x = good
+        for _ in range(extend):
+            x = harder(x)
+            if not ok(x):
+                bad = x
+                break
+            good = x
+        else:
+            return done(value=good, capped=True)
+    if good is None:  # the easiest grid point fails: retreat
+        x = bad
+        for _ in range(extend):
+            x = easier(x)
+            if ok(x):
+                good = x
+                break
+            bad = x
+        else:
+            return done(value=0.0 if find == "max" else math.inf, never_met=True)
+    while abs(bad - good) > tol * max(abs(bad), abs(good)):
+        mid = 0.5 * (good + bad)
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return done(value=good)
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,236 @@
+"""`flowyard reproduce flowprefill`: FlowPrefill's evaluation (§6, Figs. 9-12 and 15) in the
+simulator on simulated A800-80GB, on the QwenTrace stand-in (`workloads.multitask`).
+
+Metric: TTFT SLO attainment (share of requests whose TTFT meets their task's Table 2 SLO);
+FlowPrefill only changes prefill, so decode SLOs are not set. Goodput = the highest request
+rate with attainment >= 90 %; min SLO scale = the smallest factor on Table 2's SLOs with
+attainment >= 90 % at a fixed rate. Both by `threshold_search` around a plotted grid.
+
+The runs live here; the write-up (tables, figures, the paper's numbers) in
+`flowprefill_report.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flowyard.costmodel import make_cost_model
+from flowyard.experiments.common import (Log, Scenario, Stopwatch, Tally, Threshold, stderr_log,
+                                         threshold_search)
+from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.sim.run import SimConfig
+from flowyard.workloads.multitask import qwentrace_like
+
+HARDWARE = "a800"
+#: (catalog name, TP, label) as in §6.1: one, two and four-way tensor parallelism
+MODELS: tuple[tuple[str, int, str], ...] = (
+    ("llama-3-8b", 1, "Llama3-8B TP1"),
+    ("qwen2.5-14b", 2, "Qwen2.5-14B TP2"),
+    ("llama-3-70b", 4, "Llama3-70B TP4"),
+)
+
+
+def chunk_edf(chunk: int) -> FlowPrefillConfig:
+    """Chunked prefill whose EDF re-ranks everything, partial prompts included, at every chunk
+    boundary: FlowPrefill's pool with preemption only between steps ("chunk"), plain EDF, a
+    token budget of one chunk. The registry's `distserve-cp*` follow vLLM's scheduler instead:
+    a started prompt keeps its turn until its last chunk, EDF orders only the waiting queue."""
+    return FlowPrefillConfig(priority="edf", granularity="chunk", chunk_size=chunk, batch_token_budget=chunk + 1)
+
+
+#: label -> (registry policy, FlowPrefill knobs); all on 2 instances (1P1D; vLLM: 2 colocated)
+SYSTEMS: dict[str, tuple[str, FlowPrefillConfig | None]] = {
+    "FlowPrefill": ("flowprefill", None),
+    "DistServe": ("distserve", None),
+    "DistServe-CP2K": ("distserve-cp2k", None),
+    "DistServe-CP8K": ("distserve-cp8k", None),
+    "CP2K, EDF per chunk": ("flowprefill", chunk_edf(2048)),
+    "CP8K, EDF per chunk": ("flowprefill", chunk_edf(8192)),
+    "vLLM-CP2K (colocated)": ("vllm", None),
+}
+PRIORITY_VARIANTS = {"S-EDF": "s-edf", "EDF": "edf", "D-EDF": "d-edf"}
+BUDGETS: dict[str, int | None] = {"no limit": None, "2K": 2048, "4K": 4096, "8K": 8192, "no batching": 0}
+CHUNKS: dict[str, int | None] = {"no chunking": None, "2K": 2048, "4K": 4096, "8K": 8192, "16K": 16384}
+GRANULARITIES = ("operator", "layer")
+PRIMARY = "DistServe-CP2K"  # the paper's primary baseline (§6.1)
+FALLBACK_SLO_RATE = 0.2  # x C, when the primary baseline never meets the target
+SENSITIVITY_SYSTEMS = ("FlowPrefill", "DistServe-CP2K", "DistServe-CP8K", "CP2K, EDF per chunk",
+                       "CP8K, EDF per chunk")
+TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class Settings:
+    n_requests: int
+    models: tuple[str, ...]  # catalog names of the end-to-end study
+    rate_fracs: tuple[float, ...]  # rate grid as fractions of one instance's prefill capacity
+    slo_grid: tuple[float, ...]  # SLO scales
+    blocking_rate_frac: float  # rate of the blocking runs (Fig. 12)
+    ablation_slo_rate_frac: float  # fixed rate of Fig. 10's SLO sweep
+    slo_sensitivity: tuple[float, ...]  # more fixed rates (x C) for Fig. 9b's ratios, first model
+    budget_rate_fracs: tuple[float, ...]  # Fig. 11
+    blocking_models: tuple[str, ...]
+    ablations: bool = True
+    tol: float = 0.03
+
+
+FULL = Settings(
+    n_requests=2000, models=tuple(m for m, _, _ in MODELS),
+    rate_fracs=(0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 1.0, 1.25, 1.5),
+    slo_grid=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
+    blocking_rate_frac=0.5, ablation_slo_rate_frac=0.9, slo_sensitivity=(0.35, 0.5),
+    budget_rate_fracs=(0.4, 0.7, 1.0, 1.3, 1.6, 2.0),
+    blocking_models=tuple(m for m, _, _ in MODELS),
+)
+QUICK = Settings(
+    n_requests=300, models=("llama-3-8b",),
+    rate_fracs=(0.2, 0.5, 1.0, 1.5), slo_grid=(0.5, 1.0, 2.0, 4.0),
+    blocking_rate_frac=0.5, ablation_slo_rate_frac=0.9, slo_sensitivity=(), budget_rate_fracs=(0.5, 1.0, 2.0),
+    blocking_models=("llama-3-8b",), tol=0.1,
+)
+
+
+@dataclass
+class ModelResult:
+    model: str
+    label: str
+    capacity: float  # req/s one instance prefills back to back, one request at a time
+    slo_rate: float
+    goodput: dict[str, Threshold]
+    min_slo: dict[str, Threshold]
+    fp_tasks: dict[str, float] = field(default_factory=dict)  # FlowPrefill's attainment per task at its goodput
+
+
+@dataclass
+class Results:
+    settings: Settings
+    seed: int
+    e2e: list[ModelResult]
+    sensitivity: dict[float, dict[str, Threshold]] = field(default_factory=dict)  # rate (x C) -> min SLO
+    priority: dict[str, tuple[Threshold, Threshold]] | None = None  # (goodput, min SLO scale)
+    priority_rate: float = 0.0
+    budget: dict[str, list[tuple[float, float, float]]] | None = None  # (rate, attainment, req/s)
+    blocking: dict[str, dict[str, dict[str, float]]] | None = None  # model -> granularity -> stats
+    blocking_attainment: dict[str, dict[str, float]] | None = None
+    chunk: dict[str, Threshold] | None = None
+    base_capacity: float = 0.0
+    arrival_cv: float = 0.0  # coefficient of variation of the inter-arrival gaps
+    wall_s: float = 0.0
+    tally: Tally | None = None
+
+
+def scenario(model: str, tp: int, s: Settings, seed: int, tally: Tally, log: Log | None) -> Scenario:
+    cfg = SimConfig(model=model, hardware=HARDWARE, tp=tp, instances=2, prefill_instances=1, seed=seed)
+    cost = make_cost_model(model, HARDWARE, tp=tp)
+    w = qwentrace_like(s.n_requests, rate=1.0, model=model, seed=seed)
+    return Scenario(model, cfg, w, cost, tally=tally, log=log)
+
+
+def prefill_capacity(sc: Scenario) -> float:
+    """Requests/s one instance sustains prefilling this workload's prompts one at a time."""
+    return 1.0 / float(np.mean([sc.cost.prefill_time(r.prompt_len) for r in sc.workload.requests]))
+
+
+def goodput(sc: Scenario, policy: str, grid: list[float], tol: float,
+            fp: FlowPrefillConfig | None = None, label: str | None = None) -> Threshold:
+    return threshold_search(lambda r: sc.point(policy, r, flowprefill=fp, label=label).attainment,
+                            grid, TARGET, find="max", tol=tol)
+
+
+def min_slo(sc: Scenario, policy: str, rate: float, grid: tuple[float, ...], tol: float,
+            fp: FlowPrefillConfig | None = None, label: str | None = None) -> Threshold:
+    return threshold_search(
+        lambda k: sc.point(policy, rate, slo_scale=k, flowprefill=fp, label=label).attainment,
+        grid, TARGET, find="min", tol=tol)
+
+
+def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Results:
+    clock, tally = Stopwatch(), Tally()
+    say = log or (lambda _m: None)
+    scen: dict[str, Scenario] = {}
+    for model, tp, _ in MODELS:
+        if model in s.models or model in s.blocking_models:
+            scen[model] = scenario(model, tp, s, seed, tally, log)
+    res = Results(s, seed, [])
+    for model, _, label in MODELS:  # Fig. 9
+        if model not in s.models:
+            continue
+        sc = scen[model]
+        cap = prefill_capacity(sc)
+        grid = [f * cap for f in s.rate_fracs]
+        say(f"[fig 9] {label}: prefill capacity C = {cap:.2f} req/s")
+        gp = {name: goodput(sc, pol, grid, s.tol, fp, name) for name, (pol, fp) in SYSTEMS.items()}
+        # SLO sweep at the rate where the paper's primary baseline just meets Table 2's SLOs
+        rate = gp[PRIMARY].value if gp[PRIMARY].value > 0 else FALLBACK_SLO_RATE * cap
+        say(f"[fig 9] {label}: SLO sweep at {rate:.2f} req/s")
+        ms = {name: min_slo(sc, pol, rate, s.slo_grid, s.tol, fp, name) for name, (pol, fp) in SYSTEMS.items()}
+        tasks = sc.point("flowprefill", gp["FlowPrefill"].value).by_task if gp["FlowPrefill"].value > 0 else {}
+        res.e2e.append(ModelResult(model, label, cap, rate, gp, ms, tasks))
+        if model == s.models[0]:
+            for f in s.slo_sensitivity:
+                res.sensitivity[f] = {n: min_slo(sc, SYSTEMS[n][0], f * cap, s.slo_grid, s.tol, SYSTEMS[n][1], n)
+                                      for n in SENSITIVITY_SYSTEMS}
+    base = scen[MODELS[0][0]] if MODELS[0][0] in scen else next(iter(scen.values()))
+    cap = prefill_capacity(base)
+    res.base_capacity = cap
+    gaps = np.diff(base.workload.arrivals())
+    res.arrival_cv = float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else 0.0
+    grid = [f * cap for f in s.rate_fracs]
+    if s.ablations:  # Figs. 10, 11, 15 on Llama3-8B
+        res.priority_rate = s.ablation_slo_rate_frac * cap
+        say(f"[fig 10] priorities, SLO sweep at {res.priority_rate:.2f} req/s")
+        res.priority = {}
+        for name, kind in PRIORITY_VARIANTS.items():
+            fp = FlowPrefillConfig(priority=kind)
+            res.priority[name] = (goodput(base, "flowprefill", grid, s.tol, fp, name),
+                                  min_slo(base, "flowprefill", res.priority_rate, s.slo_grid, s.tol, fp, name))
+        say("[fig 11] batch token budgets")
+        res.budget = {}
+        for name, g in BUDGETS.items():
+            fp = FlowPrefillConfig(batch_token_budget=g)
+            pts = [(f * cap, base.point("flowprefill", f * cap, flowprefill=fp, label=f"budget {name}"))
+                   for f in s.budget_rate_fracs]
+            res.budget[name] = [(r, p.attainment, p.throughput_rps) for r, p in pts]
+        say("[fig 15] FlowPrefill with chunked prefill")
+        res.chunk = {name: goodput(base, "flowprefill", grid, s.tol, FlowPrefillConfig(chunk_size=c),
+                                   f"chunk {name}") for name, c in CHUNKS.items()}
+    res.blocking, res.blocking_attainment = {}, {}  # Fig. 12
+    for model in s.blocking_models:
+        sc = scen[model]
+        rate = s.blocking_rate_frac * prefill_capacity(sc)
+        say(f"[fig 12] {model}: preemption blocking at {rate:.2f} req/s")
+        res.blocking[model], res.blocking_attainment[model] = {}, {}
+        for g in GRANULARITIES:
+            p = sc.point("flowprefill", rate, flowprefill=FlowPrefillConfig(granularity=g), label=g)
+            st = p.blocking_stats()
+            st["below_4.5ms"] = float(np.mean(np.asarray(p.blocking) < 4.5e-3)) if p.blocking else float("nan")
+            res.blocking[model][g] = st
+            res.blocking_attainment[model][g] = p.attainment
+    res.wall_s, res.tally = clock.elapsed, tally
+    return res
+
+
+def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "",
+        log: Log | None = None) -> Path:
+    """Run the experiments (QUICK or FULL settings) and write `out/flowprefill.md` + figures."""
+    from flowyard.experiments.flowprefill_report import write_report
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OSError(f"--out '{out}' exists and is not a directory")
+    res = run_experiments(QUICK if quick else FULL, seed, log)
+    return write_report(res, out, command=command or _command(quick, seed, out))
+
+
+def _command(quick: bool, seed: int, out: Path) -> str:
+    parts = ["flowyard reproduce flowprefill"]
+    if str(out) != "docs/results":
+        parts.append(f"--out {out}")
+    if quick:
+        parts.append("--quick")
+    if seed:
+        parts.append(f"--seed {seed}")
+    return " ".join(parts)

@@ -1,0 +1,148 @@
+"""Report pieces shared by the paper reproductions: number formats, markdown tables, a report
+writer, and PNG figures drawn on matplotlib's Agg canvas (no pyplot, no display). Re-exported
+by `flowyard.experiments.common`."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# ------------------------------------------------------------------------------- numbers
+
+def ratio(a: float, b: float) -> float:
+    """a / b with the conventions of the reports: inf when only b is 0, nan when both are."""
+    if b == 0 or not math.isfinite(b):
+        return math.nan if (a == 0 or not math.isfinite(a)) else math.inf
+    return a / b
+
+
+def fmt_x(v: float) -> str:
+    return "n/a" if math.isnan(v) else ("∞" if math.isinf(v) else f"{v:.2f}×")
+
+
+def fmt_range(vals: Iterable[float]) -> str:
+    v = [x for x in vals if math.isfinite(x)]
+    if not v:
+        return "n/a"
+    lo, hi = min(v), max(v)
+    return f"{lo:.1f}×" if abs(hi - lo) < 0.05 else f"{lo:.1f}×–{hi:.1f}×"
+
+
+def fmt_ms(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{1e3 * v:.2f}"
+
+
+# ------------------------------------------------------------------------------- report
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    out = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(out)
+
+
+class Report:
+    """A markdown document under `out_dir`, with figures in `out_dir/<name>/`."""
+
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.out_dir, self.name = Path(out_dir), name
+        self.fig_dir = self.out_dir / name
+        self.fig_dir.mkdir(parents=True, exist_ok=True)
+        self.parts: list[str] = []
+
+    def add(self, *texts: str) -> None:
+        self.parts.extend(texts)
+
+    def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        self.parts.append(md_table(headers, rows))
+
+    def figure_path(self, file: str) -> Path:
+        return self.fig_dir / file
+
+    def image(self, file: str, alt: str) -> None:
+        self.parts.append(f"![{alt}]({self.name}/{file})")
+
+    def write(self) -> Path:
+        path = self.out_dir / f"{self.name}.md"
+        path.write_text("\n\n".join(self.parts).rstrip() + "\n", encoding="utf-8")
+        return path
+
+
+def figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] | None = None):
+    """(fig, axes list) on an Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size or (5.0 * ncols, 3.8 * nrows), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(ncols * nrows)]
+    return fig, axes
+
+
+def save(fig, path: str | os.PathLike) -> None:
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise OSError(f"cannot write figure to '{os.fspath(path)}': {e.strerror or e}") from e
+
+
+def curve_panel(ax, series: dict[str, Sequence[tuple[float, float]]], *, xlabel: str,
+                ylabel: str = "TTFT SLO attainment (%)", marks: dict[str, float] | None = None,
+                target: float | None = 0.9, title: str = "", percent: bool = True) -> None:
+    """Lines of (x, y) per series; `marks` draws a dotted vertical line per series (goodput,
+    min SLO scale) in the series' colour; `target` a grey dashed horizontal line."""
+    k = 100.0 if percent else 1.0
+    for name, pts in series.items():
+        pts = [(x, y) for x, y in sorted(pts) if not math.isnan(y)]  # NaN: a run that did not finish
+        if not pts:
+            continue
+        x, y = zip(*pts)
+        line, = ax.plot(x, np.asarray(y, float) * k, marker="o", ms=3, lw=1.4, label=name)
+        m = (marks or {}).get(name)
+        if m is not None and math.isfinite(m) and m > 0:
+            ax.axvline(m, color=line.get_color(), ls=":", lw=1.2)
+    if target is not None:
+        ax.axhline(target * k, color="grey", ls="--", lw=0.8)
+    if percent:
+        ax.set_ylim(-2, 102)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
+
+
+def log_x(ax, ticks: Sequence[float]) -> None:
+    """Logarithmic x axis labelled at `ticks` in plain numbers."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks), [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def bar_panel(ax, groups: Sequence[str], series: dict[str, Sequence[float]], *, ylabel: str,
+              title: str = "", log: bool = False, fmt: str = "{:.2f}") -> None:
+    """Grouped bars: one group per entry of `groups`, one bar per series, values annotated."""
+    n = max(1, len(series))
+    width = 0.8 / n
+    x = np.arange(len(groups))
+    for i, (name, vals) in enumerate(series.items()):
+        v = np.asarray([x_ if math.isfinite(x_) else 0.0 for x_ in vals], float)
+        bars = ax.bar(x + (i - (n - 1) / 2) * width, v, width, label=name)
+        for b, val in zip(bars, vals):
+            ax.annotate(fmt.format(val) if math.isfinite(val) else "n/a",
+                        (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                        fontsize="x-small")
+    ax.set_xticks(x, groups)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize="medium")
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
+        ax.legend(fontsize="x-small")

@@ -1,0 +1,123 @@
+"""`flowyard reproduce`: the quick FlowPrefill study end to end, its CLI errors, and the shared
+search/report helpers of `flowyard.experiments.common`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flowyard.cli import main
+from flowyard.experiments.common import (Scenario, Tally, md_table, ratio, run_point, threshold_search)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    assert main(["reproduce", "flowprefill", "--quick", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_quick_run_writes_markdown_and_figures(quick_report):
+    md = (quick_report / "flowprefill.md").read_text(encoding="utf-8")
+    figs = quick_report / "flowprefill"
+    pngs = sorted(p.name for p in figs.glob("*.png"))
+    assert pngs == ["fig10_priority.png", "fig11_budget.png", "fig12_blocking.png", "fig15_chunk.png",
+                    "fig9_llama-3-8b.png"]
+    for name in pngs:
+        data = (figs / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+        assert f"(flowprefill/{name})" in md  # linked from the report
+    data = json.loads((figs / "results.json").read_text())
+    assert data["e2e"][0]["model"] == "llama-3-8b" and data["e2e"][0]["goodput"]["FlowPrefill"]["curve"]
+
+
+def test_report_has_tables_paper_numbers_and_provenance(quick_report):
+    md = (quick_report / "flowprefill.md").read_text(encoding="utf-8")
+    for header in ("| claim (FlowPrefill …) | paper | ours | ours vs paper |",
+                   "| system | goodput (req/s) | FlowPrefill / system | min SLO scale | system / FlowPrefill |",
+                   "| priority | goodput (req/s) | min SLO scale |", "| chunk | goodput (req/s) | vs no chunking |",
+                   "| model | op: n | op mean (ms) |", "| budget |"):
+        assert header in md, header
+    for paper in ("4.7×–5.6×", "up to 2.0×", "up to 4.5×", "1.5×–2.3×", "2.1×–3.1×", "< 4.5 ms", "3.5×–4.2×"):
+        assert paper in md, paper
+    assert f"`flowyard reproduce flowprefill --out {quick_report} --quick`" in md
+    assert "s of wall time" in md and "Quick mode" in md
+    assert "## Where and why ours differ" in md and "TTFT SLO attainment" in md
+    for system in ("FlowPrefill", "DistServe", "DistServe-CP2K", "DistServe-CP8K", "vLLM-CP2K (colocated)"):
+        assert f"| {system} |" in md
+
+
+def test_unknown_experiment_exits_2_listing_valid_ones(capsys):
+    assert main(["reproduce", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowyard: error: unknown experiment 'nope'") and "flowprefill" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["reproduce", "flowprefill", "--seed", "x"], "expected an integer, got 'x'"),
+    (["reproduce", "flowprefill", "--seed", "-1"], "expected an integer >= 0"),
+    (["reproduce", "flowprefill", "--fast"], "unrecognized arguments: --fast"),
+    (["reproduce"], "the following arguments are required: NAME"),
+])
+def test_bad_flags_exit_2_with_a_clear_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["reproduce", "flowprefill", "--quick", "--out", str(f), "--quiet"]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+
+# -- shared helpers --------------------------------------------------------------------------
+
+def test_threshold_search_max_finds_the_crossing_and_keeps_the_curve():
+    f = lambda r: 1.0 if r <= 3.3 else 0.5  # noqa: E731
+    t = threshold_search(f, [1, 2, 4, 8], 0.9, find="max", tol=0.01)
+    assert 3.3 * 0.99 <= t.value <= 3.3 and not t.capped and not t.never_met
+    assert [x for x, _ in t.curve][:2] == [1, 2] and (8, 0.5) in t.curve
+
+
+def test_threshold_search_min_and_the_edges():
+    f = lambda k: 1.0 if k >= 0.7 else 0.0  # noqa: E731
+    t = threshold_search(f, [0.5, 1, 2], 0.9, find="min", tol=0.01)
+    assert 0.7 <= t.value <= 0.7 * 1.01
+    capped = threshold_search(lambda r: 1.0, [1, 2], find="max", extend=2)
+    assert capped.capped and capped.value == 8 and capped.text().startswith(">=")
+    never = threshold_search(lambda k: 0.0, [1, 2], find="min", extend=2)
+    assert never.never_met and math.isinf(never.value) and never.text() == "not met"
+    below = threshold_search(lambda r: 1.0 if r < 0.3 else 0.0, [1, 2], find="max", tol=0.01)
+    assert 0.25 <= below.value < 0.3  # retreats below the grid, then bisects
+    with pytest.raises(ValueError):
+        threshold_search(f, [1], find="mid")
+
+
+def test_ratio_and_tables():
+    assert ratio(4, 2) == 2 and math.isinf(ratio(1, 0)) and math.isnan(ratio(0, 0))
+    assert md_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_a_point_is_deterministic_and_memoised():
+    from flowyard.costmodel import make_cost_model
+    from flowyard.sim.run import SimConfig
+    from flowyard.workloads.multitask import qwentrace_like
+
+    cfg = SimConfig(model="llama-3-8b", hardware="a800", instances=2, prefill_instances=1)
+    cost = make_cost_model("llama-3-8b", "a800")
+    w = qwentrace_like(80, rate=1.0, seed=3)
+    a = run_point(cfg.replace(policy="flowprefill", rate_scale=4.0), w, cost)
+    b = run_point(cfg.replace(policy="flowprefill", rate_scale=4.0), w, cost)
+    assert (a.attainment, a.ttft_p99, a.blocking) == (b.attainment, b.ttft_p99, b.blocking)
+    tally = Tally()
+    sc = Scenario("8b", cfg, w, cost, tally=tally)
+    assert sc.base_rate == pytest.approx(1.0)
+    p = sc.point("flowprefill", 4.0)
+    assert sc.point("flowprefill", 4.0) is p and tally.runs == 1
+    assert p.attainment == a.attainment and set(p.by_task) <= {"text", "image", "search", "file"}
