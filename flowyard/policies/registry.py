@@ -8,6 +8,7 @@ from typing import Callable
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.costmodel.base import CostModel
+from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
@@ -142,6 +143,27 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     return Policy(name, router, roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
 
 
+def _arrow(mode: str) -> Callable[[str, PolicyOptions], Policy]:
+    """Arrow (§5): stateless MIXED instances (decode-first chunked batching) in elastic P/D
+    pools; `mode` "minload" and "rr" are the static-split ablations of Fig. 8."""
+
+    def build(name: str, o: PolicyOptions) -> Policy:
+        if o.predictor is None:
+            raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) for its TTFT "
+                             "predictor and Max Running Tokens")
+        n = o.num_instances
+        p = o.num_prefill if o.num_prefill is not None else max(1, n // 2)
+        if n > 1 and not 1 <= p < n:
+            raise ValueError(f"{name} starts with P and D pools: need 1 <= --prefill-instances < "
+                             f"--instances (got {p} of {n})")
+        chunk = o.chunk_size or 2048
+        cfg = ArrowConfig(mode=mode, num_prefill=min(p, n), chunk_size=chunk, max_num_seqs=o.max_num_seqs)
+        local = BatchConfig(max_num_batched_tokens=chunk, max_num_seqs=o.max_num_seqs)
+        return Policy(name, ArrowRouter(o.predictor, cfg, name), [Role.MIXED] * n, {Role.MIXED: local})
+
+    return build
+
+
 _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "vllm": _colocated(VllmDataParallel),
     "round-robin": _colocated(RoundRobin),
@@ -152,6 +174,9 @@ _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "flowprefill": _flowprefill,
     "pla": _pla,
     "pla-spatial": _pla_spatial,
+    "arrow": _arrow("slo"),
+    "arrow-minload": _arrow("minload"),
+    "arrow-rr": _arrow("rr"),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

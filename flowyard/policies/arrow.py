@@ -1,0 +1,235 @@
+"""Arrow (arrow.txt §5): SLO-aware request dispatch and instance flipping over stateless
+instances.
+
+Every instance is `Role.MIXED` and runs the plain `BatchScheduler` (decodes first, then chunked
+prefill; migrations FCFS), so any instance can prefill and decode at any time. What it is *for*
+is its pool (`arrow_pools.ElasticPools`): P, D, P→D or D→P. The global scheduler
+
+- dispatches prefills (Alg. 1): the P instance with the least predicted queueing delay (TTFT
+  predictor, Eq. 1-2) if the request's TTFT SLO holds there, else the best D→P instance, else,
+  when decode load is low, flips a decode instance to prefill (Alg. 3) and sends it there;
+  else the P instance anyway;
+- dispatches decodes when a prefill ends (Alg. 2, through `route_decode`): the prefill instance
+  itself if it has meanwhile been flipped to D or P→D (no KV move), else the D (then P→D)
+  instance with the fewest running tokens if it stays under Max Running Tokens and its token
+  interval under the TPOT threshold, else flips a prefill instance to decode (Alg. 4);
+- runs the instance monitor every `period`: the average token interval of decoding instances
+  over the TPOT threshold for `monitor_periods` ticks in a row flips a prefill instance to
+  decode; an idle prefill instance flips to decode while decode is busy.
+
+Overload rule (§5.5): flipping towards prefill requires low decode load; flipping towards decode
+checks nothing, so under overload instances drift to decode and admitted requests finish.
+
+"Decode load" ρ is one number: the larger of (running tokens on the decode side / the Max
+Running Tokens of the instances counted) and (the worst token interval of a decoding instance /
+the TPOT threshold). It is "low" when ρ, counted without one decode instance (the one Alg. 3
+would take), is at most `decode_low`; "busy" when ρ ≥ `decode_busy`.
+
+Ablations (Fig. 8): mode "minload" (min-load dispatch on a static split, no flips) and "rr"
+(round robin on a static split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowyard.core.request import Request, RequestState
+from flowyard.costmodel.base import CostModel
+from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
+                                           max_running_tokens)
+from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot
+
+MODES = ("slo", "minload", "rr")
+
+
+@dataclass(frozen=True, slots=True)
+class ArrowConfig:
+    mode: str = "slo"  # "slo": Arrow; "minload", "rr": the static-split ablations of Fig. 8
+    num_prefill: int | None = None  # initial P pool; the rest start in D (default half)
+    ttft_slo: float = 3.0  # TTFT threshold for requests without a TTFT SLO (s)
+    tpot_slo: float = 0.1  # TPOT threshold for requests without a TPOT SLO (s)
+    period: float = 0.5  # monitor period (s)
+    monitor_periods: int = 2  # ticks in a row with token interval over TPOT before a flip to D
+    decode_low: float = 0.5  # ρ at or below this: Alg. 1 may take a decode instance
+    decode_busy: float = 0.8  # ρ at or above this: idle prefill instances flip to decode
+    chunk_size: int = 2048  # the instances' token budget (the predictor profiles chunked prefill)
+    max_num_seqs: int = 256
+    mean_context: int = 1024  # decode batch assumed to hold T / mean_context sequences (MRT)
+    kv_headroom: float = 0.9  # share of KV capacity Max Running Tokens may fill
+    max_profile_len: int = 131_072  # longest prompt the TTFT predictor is fitted on
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"arrow mode must be one of {MODES}, got {self.mode!r}")
+        if not (self.period > 0 and self.ttft_slo > 0 and self.tpot_slo > 0 and self.monitor_periods >= 1):
+            raise ValueError("period, SLO thresholds and monitor_periods must be positive")
+        if not 0 <= self.decode_low <= self.decode_busy:
+            raise ValueError("need 0 <= decode_low <= decode_busy")
+
+
+class ArrowRouter(GlobalScheduler):
+    routes_decode = True
+
+    def __init__(self, predictor: CostModel, config: ArrowConfig | None = None, name: str = "arrow") -> None:
+        self.cfg = c = config or ArrowConfig()
+        self.name = name
+        self.predictor = predictor
+        self.period = c.period if c.mode == "slo" else None
+        kv = predictor.kv_capacity_tokens()
+        self.ttft = QuadraticTTFT.fit(predictor, c.chunk_size, min(kv, c.max_profile_len))
+        self._kv_tokens = kv
+        self._mrt: dict[float, int] = {}
+        self.pools: ElasticPools | None = None
+        self._tpot = c.tpot_slo  # TPOT threshold of the monitor: the latest request's
+        self._over = 0  # consecutive ticks with decode token interval over the threshold
+        self._start: float | None = None
+        self._last_tick: float | None = None
+        self._rr = [0, 0]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def max_running_tokens(self, tpot: float) -> int:
+        if tpot not in self._mrt:
+            c = self.cfg
+            self._mrt[tpot] = max_running_tokens(self.predictor, tpot, self._kv_tokens, c.max_num_seqs,
+                                                 c.mean_context, c.kv_headroom)
+        return self._mrt[tpot]
+
+    def delay(self, s: InstanceSnapshot) -> float:
+        return self.ttft.queue_delay(s, self.cfg.chunk_size)
+
+    @staticmethod
+    def interval(s: InstanceSnapshot) -> float:
+        """Recent token interval; an instance that decodes nothing now interferes with nothing."""
+        return s.token_interval if s.num_decoding else 0.0
+
+    def decode_load(self, snaps: list[InstanceSnapshot], tpot: float, spare: int = 0) -> float:
+        """ρ of the decode side `snaps`, as if `spare` of them were given away."""
+        m = len(snaps) - spare
+        if m <= 0:
+            return float("inf")
+        tokens = sum(s.running_tokens for s in snaps) / (m * max(1, self.max_running_tokens(tpot)))
+        worst = max((self.interval(s) for s in snaps), default=0.0) / tpot
+        return max(tokens, worst)
+
+    def _refresh(self, view: ClusterView, now: float) -> ElasticPools:
+        """Create the pools on first use; let drained transitional instances settle; tick the
+        monitor from dispatches when no executor timer does (the real LocalCluster)."""
+        if self.pools is None:
+            ids = list(view.instances())
+            p = self.cfg.num_prefill if self.cfg.num_prefill is not None else max(1, len(ids) // 2)
+            self.pools = ElasticPools.split(ids, p)
+            self._start = now
+        pools = self.pools
+        for i in pools.members(Pool.P2D, Pool.D2P):
+            pools.settle(i, view.snapshot(i), now)
+        last = self._last_tick if self._last_tick is not None else self._start
+        if self.period is not None and last is not None and now - last >= 2 * self.period:
+            self.tick(view, now)
+        return pools
+
+    def _argmin(self, ids: list[int], key, home: Pool | None = None) -> int | None:
+        """Lowest key; ties go first to instances whose initial pool was `home` (a flip sends
+        a borrowed instance back where it came from), then to the lowest id."""
+        start = self.pools.home if self.pools is not None else {}
+        return min(ids, key=lambda i: (key(i), home is not None and start.get(i) is not home, i)) if ids else None
+
+    def _round_robin(self, ids: list[int], k: int) -> int:
+        pick = ids[self._rr[k] % len(ids)]
+        self._rr[k] += 1
+        return pick
+
+    # -- Alg. 3 and 4 ----------------------------------------------------------------------
+    def try_move_decode_to_prefill(self, view: ClusterView, now: float) -> int | None:
+        pools = self.pools
+        assert pools is not None
+        d, p2d = pools.members(Pool.D), pools.members(Pool.P2D)
+        if len(d) + len(p2d) <= 1:
+            return None
+        p = self._argmin(p2d or d, lambda i: view.snapshot(i).running_tokens, home=Pool.P)
+        assert p is not None
+        pools.flip_to_prefill(p, view.snapshot(p), now)
+        return p
+
+    def try_move_prefill_to_decode(self, view: ClusterView, now: float, only: list[int] | None = None) -> int | None:
+        pools = self.pools
+        assert pools is not None
+        p, d2p = pools.members(Pool.P), pools.members(Pool.D2P)
+        if len(p) + len(d2p) <= 1:
+            return None
+        cand = only if only is not None else (d2p or p)
+        d = self._argmin(cand, lambda i: self.delay(view.snapshot(i)), home=Pool.D)
+        if d is not None:
+            pools.flip_to_decode(d, view.snapshot(d), now)
+        return d
+
+    # -- Alg. 1: prefill dispatch ----------------------------------------------------------
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        pools = self._refresh(view, now)
+        if req.slo.tpot is not None:
+            self._tpot = req.slo.tpot
+        if self.cfg.mode == "rr":
+            return self._round_robin(pools.members(*PREFILL_SIDE), 0)
+        delay = {i: self.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE)}
+        t1 = self._argmin(pools.members(Pool.P), delay.__getitem__)
+        t2 = self._argmin(pools.members(Pool.D2P), delay.__getitem__)
+        if self.cfg.mode == "minload":
+            return t1 if t1 is not None else t2
+        budget = (req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo) - (now - req.arrival)
+        need = self.ttft(req.prompt_len)
+        for t in (t1, t2):
+            if t is not None and delay[t] + need <= budget:
+                return t
+        tpot = req.slo.tpot if req.slo.tpot is not None else self.cfg.tpot_slo
+        side = [view.snapshot(i) for i in pools.members(*DECODE_SIDE)]
+        if self.decode_load(side, tpot, spare=1) <= self.cfg.decode_low:
+            t3 = self.try_move_decode_to_prefill(view, now)
+            if t3 is not None:
+                return t3
+        if t1 is not None or t2 is not None:
+            return t1 if t1 is not None else t2
+        return self._argmin(list(view.instances()), lambda i: self.delay(view.snapshot(i)))
+
+    # -- Alg. 2: decode dispatch -----------------------------------------------------------
+    def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
+        pools = self._refresh(view, now)
+        if pools.of.get(src) in DECODE_SIDE:
+            return src  # its prefill instance now decodes: no KV to move
+        if self.cfg.mode == "rr":
+            return self._round_robin(pools.members(*DECODE_SIDE), 1)
+        tokens = {i: view.snapshot(i).running_tokens for i in pools.members(*DECODE_SIDE)}
+        t1 = self._argmin(pools.members(Pool.D), tokens.__getitem__)
+        t2 = self._argmin(pools.members(Pool.P2D), tokens.__getitem__)
+        if self.cfg.mode == "minload":
+            return t1 if t1 is not None else (t2 if t2 is not None else src)
+        tpot = state.req.slo.tpot if state.req.slo.tpot is not None else self.cfg.tpot_slo
+        mrt = self.max_running_tokens(tpot)
+        for t in (t1, t2):
+            if t is None:
+                continue
+            s = view.snapshot(t)
+            cap = min(mrt, int(s.kv_total_blocks * s.block_size * self.cfg.kv_headroom))
+            if s.running_tokens + state.seq_len <= cap and self.interval(s) <= tpot:
+                return t
+        t3 = self.try_move_prefill_to_decode(view, now)
+        if t3 is not None:
+            return t3
+        cands = [t for t in (t1, t2) if t is not None]
+        return min(cands, key=lambda t: (tokens[t], t)) if cands else src
+
+    # -- instance monitor ------------------------------------------------------------------
+    def tick(self, view: ClusterView, now: float) -> None:
+        """Monitor-triggered flips towards decode (§5.5 cases 2 and 3)."""
+        self._last_tick = now
+        pools = self._refresh(view, now)
+        side = [view.snapshot(i) for i in pools.members(*DECODE_SIDE)]
+        decoding = [s for s in side if s.num_decoding]
+        avg = sum(s.token_interval for s in decoding) / len(decoding) if decoding else 0.0
+        self._over = self._over + 1 if avg > self._tpot else 0
+        if self._over >= self.cfg.monitor_periods:
+            if self.try_move_prefill_to_decode(view, now) is not None:
+                self._over = 0
+            return
+        if side and self.decode_load(side, self._tpot) >= self.cfg.decode_busy:
+            idle = [i for i in pools.members(Pool.P) if view.snapshot(i).num_requests == 0]
+            if idle:
+                self.try_move_prefill_to_decode(view, now, only=idle)
