@@ -28,7 +28,7 @@ from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.experiments.report import (Report, bar_panel, curve_panel, figure, fmt_ms,  # noqa: F401
-                                         fmt_range, fmt_x, log_x, md_table, ratio, save)
+                                         fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
 from flowyard.workloads import Workload, scale_rate
 
 Log = Callable[[str], None]

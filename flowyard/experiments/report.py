@@ -38,6 +38,22 @@ def fmt_ms(v: float) -> str:
 
 # ------------------------------------------------------------------------------- report
 
+def source_revision() -> str:
+    """The flowyard checkout's commit, "+ uncommitted changes" when its sources differ from it;
+    "" outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                "flowyard"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "" if not rev else rev + (" + uncommitted changes" if dirty else "")
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     out = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
