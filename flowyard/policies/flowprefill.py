@@ -21,10 +21,11 @@ import itertools
 from dataclasses import dataclass, field
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
+from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import LAYER_OPS, CostModel
-from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.base import InstanceSnapshot, Role, StepResult
+from flowyard.policies.prefill_only import PrefillOnlyScheduler
 from flowyard.policies.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
 
 GRANULARITY_STRIDE = {"operator": 1, "layer": len(LAYER_OPS), "chunk": 0}
@@ -83,20 +84,19 @@ class FlowPrefillStats:
     batched: list[int] = field(default_factory=list)  # requests per submitted task
 
 
-class FlowPrefillScheduler(LocalScheduler):
+class FlowPrefillScheduler(PrefillOnlyScheduler):
+    policy_name = "FlowPrefill"
+
     def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: FlowPrefillConfig,
                  predictor: CostModel) -> None:
-        if role is not Role.PREFILL:
-            raise ValueError("FlowPrefill schedules prefill instances (PD disaggregation)")
-        self.instance, self.role, self.kv, self.config = instance, role, kv, config
+        super().__init__(instance, role, kv)
+        self.config = config
         self.predict = TTFTPredictor(predictor)
-        self.max_model_len = kv.capacity_tokens
         self._stride = GRANULARITY_STRIDE[config.granularity]
         self._ops = predictor.num_layers * len(LAYER_OPS)
         self.waiting = WaitingQueue()  # Q_w, in arrival order
         self.preempted: list[Task] = []  # Q_p
         self.executing: Task | None = None  # E
-        self._handed_off: dict[int, RequestState] = {}
         self._zombies: set[int] = set()  # aborted while inside a task: freed when it ends
         self.stats = FlowPrefillStats()
         self._seq = itertools.count()
@@ -136,7 +136,13 @@ class FlowPrefillScheduler(LocalScheduler):
         if self.executing is None or self._stride == 0:
             return False
         best = self._best(now)
-        return best is not None and best[0] < self._task_key(self.executing, now)
+        if best is None or not best[0] < self._task_key(self.executing, now):
+            return False
+        h = best[1]
+        if isinstance(h, Task):
+            return True
+        # a new request only displaces E if its KV fits now (else E would just be resumed)
+        return self.kv.blocks_needed(h.id, h.num_computed + self._slice(h)) <= self.kv.num_free_blocks
 
     def suspend(self, plan: StepPlan, ops_done: int, now: float) -> None:
         task = self.executing
@@ -162,27 +168,23 @@ class FlowPrefillScheduler(LocalScheduler):
                 self.executing = h
                 return h.plan
             task = self._submit(h, now)
-            if task is not None:
-                self.executing = task
-                return task.plan
-            return None  # H's KV does not fit yet: wait for a hand-off to free some
+            if task is None and self.preempted:  # H's KV does not fit: run what already has KV
+                task = min(self.preempted, key=lambda t: self._task_key(t, now))
+                self.preempted.remove(task)
+                self.stats.resumes += 1
+            if task is None:
+                return None  # wait for a hand-off to free KV
+            self.executing = task
+            return task.plan
 
     def _slice(self, st: RequestState) -> int:
         n = st.uncomputed
         return n if self.config.chunk_size is None else min(n, self.config.chunk_size)
 
     def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
-        st.num_computed += cached
-        n = min(n, st.uncomputed) if cached else n
-        if not self.kv.allocate(st.id, st.num_computed + n):
-            if cached:
-                self.kv.free(st.id)
-                st.num_computed = 0
+        if not super()._admit(st, n, plan):
             return False
         del self.waiting[st.id]
-        st.status = Status.RUNNING
-        plan.prefills.append(PrefillSlice(st, st.num_computed, n))
         return True
 
     def _submit(self, head: RequestState, now: float) -> Task | None:
@@ -222,44 +224,15 @@ class FlowPrefillScheduler(LocalScheduler):
                 st.status = Status.WAITING
                 self.waiting[st.id] = st
                 continue
-            st.record_tokens(out.end_times[:1])
-            if out.sampled is not None:
-                st.output_tokens.extend(out.sampled.get(st.id, ()))
-            if st.done or st.id in out.stopped:
-                st.status = Status.FINISHED
-                st.finish_time = float(out.end_times[0])
-                self.kv.free(st.id)
-                result.finished.append(st)
-            else:
-                st.status = Status.MIGRATING
-                self._handed_off[st.id] = st
-                result.handoffs.append(st)
+            self._prefilled(st, out, result)
         return result
 
     # -- queue management ------------------------------------------------------------------------
     def add_request(self, state: RequestState, now: float) -> bool:
-        if state.req.prompt_len + 1 > self.max_model_len:
-            state.status = Status.REJECTED
-            state.reject_reason = (f"prompt of {state.req.prompt_len} tokens does not fit this "
-                                   f"instance (max_model_len {self.max_model_len})")
+        if not self._fits(state):
             return False
-        state.instance = self.instance
-        state.status = Status.WAITING
         self.waiting[state.id] = state
         return True
-
-    def add_migration(self, state: RequestState, now: float) -> None:
-        raise ValueError("a FlowPrefill prefill instance does not take migrations")
-
-    def admit_migrations(self, now: float) -> list[RequestState]:
-        return []
-
-    def migration_arrived(self, state: RequestState, now: float) -> None:
-        raise ValueError("a FlowPrefill prefill instance does not take migrations")
-
-    def release(self, req_id: int) -> None:
-        del self._handed_off[req_id]
-        self.kv.free(req_id)
 
     def _in_task(self, req_id: int) -> RequestState | None:
         for task in self._tasks():
