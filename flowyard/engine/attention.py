@@ -4,8 +4,13 @@ The cache of one layer is a tensor (2, num_blocks, block_size, kv_heads, head_di
 at position p of a sequence lives in block block_table[p // block_size], slot p % block_size.
 New keys/values are scattered into their slots first; attention then reads each sequence's
 context through its block table. Prefill slices run one SDPA call each (fresh prompts use the
-just-computed K/V directly); all decodes run as one batched SDPA call over gathered blocks.
-"""
+just-computed K/V directly); decodes read all their blocks with one gather per layer and run
+batched SDPA calls over it: one call in `grouped` mode, one per group of sequences that round
+alike in `exact` mode (see DecodeGather).
+
+Decode cost on a small CPU is dominated by fixed per-call overheads, so everything that does
+not depend on the layer (the flat gather index, the additive padding mask, the grouping, the
+gather buffer) is built once per step by the first layer and reused by the others."""
 
 from __future__ import annotations
 
@@ -26,6 +31,60 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeGather:
+    """Per-step decode attention plan, built by the first layer and reused by the others.
+
+    index: rows of the layer cache viewed as (2 * num_blocks, block_size * kv_heads *
+    head_dim): the K blocks of every sequence (in `order`), then the same blocks' V, so one
+    `index_select` (a row memcpy) reads a whole layer; advanced indexing on the block
+    dimension was several times slower. buf: that gather's destination, reused by all layers.
+    groups: (first row, end row, keys) of each SDPA call, rows in `order`; mask: additive
+    (0 / -inf) padding mask in the query dtype over the sorted rows, None when no group
+    needs one. order: decode rows sorted by group, None when already in order.
+
+    Why groups: CPU SDPA sums a row's softmax denominator 16 lanes at a time with a fast
+    exp, then the tail of `keys % 16` scores one by one with std::exp. Padding a sequence
+    to a longer batch moves its tail into the vector part and changes its rounding, so
+    `exact` batches only sequences whose contexts share `len // 16` (for bfloat16; other
+    dtypes' GEMMs also depend on the length, so there only equal lengths share a call).
+    """
+
+    index: torch.Tensor
+    groups: list[tuple[int, int, int]]
+    mask: torch.Tensor | None
+    order: torch.Tensor | None
+    buf: torch.Tensor | None = None
+
+
+def plan_decode(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, dtype: torch.dtype,
+                exact: bool) -> DecodeGather:
+    """Build the step's DecodeGather (see there) from padded block tables and context lengths."""
+    lens_l = lens.tolist()
+    if exact:
+        key = [n // 16 for n in lens_l] if dtype == torch.bfloat16 else lens_l
+        rows = sorted(range(len(lens_l)), key=key.__getitem__)
+    else:
+        key, rows = [0] * len(lens_l), list(range(len(lens_l)))
+    order = None if rows == sorted(rows) else torch.tensor(rows)
+    if order is not None:
+        tables, lens_l = tables[order], [lens_l[r] for r in rows]
+        key = [key[r] for r in rows]
+    groups, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or key[rows[i]] != key[rows[start]] if order is None else i == len(rows) or key[i] != key[start]:
+            groups.append((start, i, max(lens_l[start:i])))
+            start = i
+    flat = tables.flatten()
+    index = torch.cat([flat, flat + num_blocks])
+    mask = None
+    if any(min(lens_l[a:b]) < n for a, b, n in groups):
+        width = max(n for _, _, n in groups)
+        keep = torch.arange(width).unsqueeze(0) < torch.tensor(lens_l).unsqueeze(1)
+        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).view(len(lens_l), 1, 1, -1)
+    return DecodeGather(index, groups, mask, order)
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
     sample_rows: torch.Tensor  # rows whose logits are needed
@@ -33,15 +92,20 @@ class AttentionBatch:
     num_prefill_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # (B, max_blocks) long, padded with 0
     decode_ctx_lens: torch.Tensor | None = None  # (B,) tokens in context incl. the new one
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size) bool
+    decode_mask: torch.Tensor | None = None  # unused since DecodeGather; kept for callers
     grouped_decode: bool = False  # see paged_attention
+    decode_gather: DecodeGather | None = None  # built by the first layer, see DecodeGather
 
     def finalize(self, block_size: int) -> None:
-        """Precompute what every layer would otherwise rebuild (the decode padding mask)."""
-        if self.decode_block_tables is not None and self.decode_mask is None:
-            b, width = self.decode_block_tables.shape
-            keys = torch.arange(width * block_size)
-            self.decode_mask = (keys.unsqueeze(0) < self.decode_ctx_lens.unsqueeze(1)).view(b, 1, 1, -1)
+        """Kept for callers that build batches by hand: the per-step decode state is now
+        built lazily by the first layer (`gather_plan`), which knows the cache's shape."""
+
+    def gather_plan(self, cache: torch.Tensor, dtype: torch.dtype) -> DecodeGather:
+        """The step's DecodeGather for a layer cache shaped like `cache` (built once)."""
+        if self.decode_gather is None:
+            self.decode_gather = plan_decode(self.decode_block_tables, self.decode_ctx_lens, cache.shape[1],
+                                             dtype, exact=not self.grouped_decode)
+        return self.decode_gather
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -54,6 +118,49 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 def _gather(cache_kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """(length, kv_heads, head_dim) of one sequence's K or V, read through its block table."""
     return cache_kv[table].flatten(0, 1)[:length]
+
+
+def gather_decode_kv(cache: torch.Tensor, plan: DecodeGather) -> torch.Tensor:
+    """(2, B, kv_heads, max_blocks * block_size, head_dim) K/V of all decodes (rows in the
+    plan's order): a strided view of one flat gather. SDPA's CPU kernel reads K/V through
+    strides (it works on the (B, L, heads, D) layout itself), so the view costs no copy."""
+    rows = cache.view(2 * cache.shape[1], -1)
+    if plan.buf is None:
+        plan.buf = rows.index_select(0, plan.index)
+    else:
+        torch.index_select(rows, 0, plan.index, out=plan.buf)
+    b = plan.groups[-1][1]
+    return plan.buf.view(2, b, -1, cache.shape[-2], cache.shape[-1]).transpose(2, 3)
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """q: (B, heads, head_dim) of the decode rows. Returns (B, heads, head_dim)."""
+    b, h, hd = q.shape
+    plan = batch.gather_plan(cache, q.dtype)
+    kv = gather_decode_kv(cache, plan).to(q.dtype)
+    if plan.order is not None:
+        q = q.index_select(0, plan.order)
+    if batch.grouped_decode:
+        # The query heads sharing a KV head ride together as that head's query rows: several
+        # times faster on CPU, but the kernel then rounds some outputs 1 ulp differently from
+        # one-row-per-head SDPA (what transformers runs).
+        kvh = kv.shape[2]
+        width = plan.groups[0][2]
+        o = F.scaled_dot_product_attention(q.view(b, kvh, -1, hd), kv[0, :, :, :width], kv[1, :, :, :width],
+                                           attn_mask=plan.mask)
+        return o.reshape(b, h, hd)
+    # (B, H, 1, D) with enable_gqa: bitwise what transformers computes for each sequence alone.
+    q = q.unsqueeze(2)
+    parts = []
+    for lo, hi, width in plan.groups:
+        mask = None if plan.mask is None else plan.mask[lo:hi, :, :, :width]
+        parts.append(F.scaled_dot_product_attention(q[lo:hi], kv[0, lo:hi, :, :width], kv[1, lo:hi, :, :width],
+                                                    attn_mask=mask, enable_gqa=True))
+    o = parts[0] if len(parts) == 1 else torch.cat(parts)
+    o = o.view(b, h, hd)
+    if plan.order is not None:
+        o = torch.empty_like(o).index_copy_(0, plan.order, o)
+    return o
 
 
 def paged_attention(
@@ -78,22 +185,9 @@ def paged_attention(
         )
         out[rows] = o.squeeze(0).transpose(0, 1)
     if batch.decode_block_tables is not None:
-        # All decodes in one SDPA call over their gathered blocks (padding masked out).
         start = batch.num_prefill_tokens
-        tables = batch.decode_block_tables
-        b, kvh, hd = tables.shape[0], cache.shape[-2], cache.shape[-1]
-        kv = cache[:, tables].flatten(2, 3).transpose(2, 3).to(q.dtype)  # (2, B, kvH, L, D)
-        if batch.grouped_decode:
-            # The query heads sharing a KV head ride together as that head's query rows:
-            # several times faster on CPU, but the kernel then rounds some outputs 1 ulp
-            # differently from one-row-per-head SDPA (what transformers runs).
-            qd = q[start:].view(b, kvh, -1, hd)
-            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask)
-        else:
-            qd = q[start:].unsqueeze(2)  # (B, H, 1, D): bitwise what transformers computes
-            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask,
-                                               enable_gqa=True)
+        o = decode_attention(q[start:], cache, batch)
         if out is None:
-            return o.reshape(b, -1, hd)
-        out[start:] = o.reshape(b, -1, hd)
+            return o
+        out[start:] = o
     return out

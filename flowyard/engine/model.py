@@ -20,29 +20,38 @@ from flowyard.engine.attention import AttentionBatch, paged_attention, write_kv
 from flowyard.engine.config import ModelConfig
 
 LAYER_OPS = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
+PER_ROW_DOWN_MAX = 4  # decode batches up to this size get per-row down_proj GEMMs (see _down)
 
 
 class RotaryEmbedding(nn.Module):
-    """Hugging Face's non-interleaved RoPE (rotate_half), with a precomputed cos/sin table."""
+    """Hugging Face's non-interleaved RoPE (rotate_half), with a precomputed cos/sin table.
+
+    The sin table is stored with its first half negated, so that rotate_half's negation
+    rides in the table: x2 * -sin == -x2 * sin bit for bit (IEEE rounding is sign-symmetric),
+    one elementwise kernel fewer per layer than `cat((-x2, x1)) * sin`.
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, cfg.rope_inv_freq().float())
         emb = torch.cat([freqs, freqs], dim=-1)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        sin[:, :half].neg_()
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for this step's positions, in the model dtype (once per forward)."""
+        """cos/signed-sin rows for this step's positions, in the model dtype (once per forward)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (tokens, heads, head_dim)."""
+        """x: (tokens, heads, head_dim); sin as returned by `tables` (first half negated)."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos).add_(swapped.mul_(sin))
 
 
 class DecoderLayer(nn.Module):
@@ -102,12 +111,24 @@ class CausalLM(nn.Module):
     # -- forward -------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm computed in float32 and scaled in the model dtype, in Hugging Face's order,
-        so bfloat16 runs round exactly as transformers does."""
+        so bfloat16 runs round exactly as transformers does (in-place where HF allocates)."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
+        scale = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return xf.mul_(scale).to(x.dtype).mul_(w)
+
+    @staticmethod
+    def _down(act: torch.Tensor, weight: torch.Tensor, per_row: bool) -> torch.Tensor:
+        """down_proj. oneDNN multiplies a single bfloat16 row (transformers' decode) with
+        another kernel than several rows, and for K = intermediate_size that kernel rounds
+        about one row in twelve 1 ulp differently; so with per_row each decode row gets its
+        own one-row GEMM, which keeps small `exact` batches bit-equal to transformers running
+        every sequence alone. At larger batches that would cost a GEMV per row and layer, so
+        they use the batched kernel (see benchmarks/results/engine_cpu.md)."""
+        if per_row:
+            return torch.cat([F.linear(act[r:r + 1], weight) for r in range(act.shape[0])])
+        return F.linear(act, weight)
 
     def forward_steps(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
@@ -117,15 +138,18 @@ class CausalLM(nn.Module):
 
         input_ids/positions: (T,) for the whole flattened batch; kv_cache: (layers, 2,
         blocks, block_size, kv_heads, head_dim). Returns logits for attn.sample_rows.
+        Linear layers are called through F.linear, not the modules: a decode step runs
+        about 150 of them and module dispatch is a measurable share of a small batch.
         """
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = self.embed(input_ids)
-        residual = h
-        cos, sin = self.rope.tables(positions, h.dtype)
+        residual = F.embedding(input_ids, self.embed.weight)
+        # See _down: a few exact bfloat16 decodes get transformers' one-row GEMM each.
+        per_row = (not attn.grouped_decode and not attn.num_prefill_tokens and residual.dtype == torch.bfloat16
+                   and 1 < residual.shape[0] <= PER_ROW_DOWN_MAX)
+        cos, sin = self.rope.tables(positions, residual.dtype)
         for i, layer in enumerate(self.layers):
-            x = self._rms(residual, layer.input_norm)
-            qkv = layer.qkv(x)
+            qkv = F.linear(self._rms(residual, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
             # RoPE on q and k in one go: they are adjacent heads of the fused projection.
             qk = self.rope.apply(qkv[:, : layer.q_size + layer.kv_size].view(-1, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
@@ -134,12 +158,15 @@ class CausalLM(nn.Module):
             write_kv(kv_cache[i], k, v, attn.slot_mapping)
             o = paged_attention(q, k, v, kv_cache[i], attn)
             yield i, "attn"
-            residual = residual + layer.o_proj(o.reshape(-1, nh * hd))
+            residual = residual + F.linear(o.reshape(-1, nh * hd), layer.o_proj.weight, layer.o_proj.bias)
             yield i, "o_proj"
-            gate, up = layer.gate_up(self._rms(residual, layer.post_norm)).chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            gate_up = F.linear(self._rms(residual, layer.post_norm), layer.gate_up.weight)
+            gate, up = gate_up.chunk(2, dim=-1)
+            # A contiguous activation: oneDNN takes another, differently rounding kernel for a
+            # strided input (so no in-place SiLU on the gate half of gate_up).
+            act = F.silu(gate).mul_(up)
             yield i, "gate_up_proj"
-            residual = residual + layer.down(act)
+            residual = residual + self._down(act, layer.down.weight, per_row)
             yield i, "down_proj"
         last = self._rms(residual[attn.sample_rows], self.norm)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,171 @@
+"""The engine's fast paths against the straightforward computation they replace.
+
+Each fast path (one gather per layer into a reused buffer, length-bucketed exact decode
+attention, sign-folded RoPE, in-place RMSNorm, per-row down_proj for small exact batches, the
+greedy argmax) must give the reference's bits, or, for `grouped` attention, its values
+within bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowyard.engine.attention import AttentionBatch, decode_attention, plan_decode
+from flowyard.engine.sampling import greedy_tokens
+
+BS, KVH, H, D = 16, 3, 9, 64
+
+
+def _paged(lens: list[int], dtype: torch.dtype, seed: int = 0):
+    """A random paged cache holding sequences of the given lengths in shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 3
+    cache = torch.randn(2, num_blocks, BS, KVH, D, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    width = max(need)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    return cache, tables, padded, q
+
+
+def _reference(q, cache, tables, lens):
+    """What transformers computes for each sequence alone: (1, H, 1, D) against exactly its keys."""
+    out = []
+    for b, (t, n) in enumerate(zip(tables, lens)):
+        k = cache[0][t].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+        v = cache[1][t].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+        out.append(F.scaled_dot_product_attention(q[b:b + 1].unsqueeze(2), k, v, enable_gqa=True).view(H, D))
+    return torch.stack(out)
+
+
+LENS = [37, 40, 33, 95, 16, 17, 47, 130, 128, 1, 44]  # several share len // 16, out of order
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_decode_attention_is_bitwise_each_sequence_alone(dtype):
+    cache, tables, padded, q = _paged(LENS, dtype)
+    batch = AttentionBatch(torch.empty(0), torch.empty(0), decode_block_tables=padded,
+                           decode_ctx_lens=torch.tensor(LENS))
+    got = decode_attention(q, cache, batch)
+    assert torch.equal(got, _reference(q, cache, tables, LENS))
+    plan = batch.decode_gather
+    assert plan.order is not None
+    if dtype == torch.bfloat16:
+        assert len(plan.groups) < len(LENS)  # sequences with equal len // 16 shared a call
+    assert torch.equal(decode_attention(q, cache, batch), got)  # the reused buffer, layer 2
+
+
+@torch.inference_mode()
+def test_grouped_decode_attention_matches_reference_within_rounding():
+    cache, tables, padded, q = _paged(LENS, torch.bfloat16, seed=1)
+    batch = AttentionBatch(torch.empty(0), torch.empty(0), decode_block_tables=padded,
+                           decode_ctx_lens=torch.tensor(LENS), grouped_decode=True)
+    got = decode_attention(q, cache, batch)
+    ref = _reference(q, cache, tables, LENS)
+    assert batch.decode_gather.order is None and len(batch.decode_gather.groups) == 1
+    assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_plan_without_padding_needs_no_mask():
+    plan = plan_decode(torch.zeros(4, 2, dtype=torch.long), torch.tensor([20, 20, 20, 20]), 10,
+                       torch.bfloat16, exact=True)
+    assert plan.mask is None and plan.order is None and plan.groups == [(0, 4, 20)]
+    assert plan.index.tolist() == [0] * 8 + [10] * 8  # K blocks, then the same blocks' V
+
+
+@torch.inference_mode()
+def test_rope_and_rmsnorm_match_transformers_formulas_bitwise():
+    from flowyard.engine.config import ModelConfig
+    from flowyard.engine.model import CausalLM
+
+    cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                      intermediate_size=256, vocab_size=32, rms_norm_eps=1e-5)
+    model = CausalLM(cfg, max_positions=512).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 3, 64, generator=g) * 4).bfloat16()
+    pos = torch.randint(0, 512, (300,), generator=g)
+    cos, sin = model.rope.tables(pos, torch.bfloat16)
+    emb = torch.cat([torch.outer(pos.float(), cfg.rope_inv_freq().float())] * 2, -1)
+    hf_cos, hf_sin = emb.cos().unsqueeze(1).bfloat16(), emb.sin().unsqueeze(1).bfloat16()
+    rotate_half = torch.cat((-x[..., 32:], x[..., :32]), -1)
+    assert torch.equal(model.rope.apply(x, cos, sin), x * hf_cos + rotate_half * hf_sin)
+
+    h = (torch.randn(300, 128, generator=g) * 3).bfloat16()
+    w = torch.randn(128, generator=g).bfloat16()
+    hf = h.float()
+    hf = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(model._rms(h, w), hf)
+
+
+@torch.inference_mode()
+def test_per_row_down_proj_is_the_one_row_gemm():
+    from flowyard.engine.model import CausalLM
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
+    act = torch.randn(4, 1536, generator=g).bfloat16()
+    alone = torch.cat([F.linear(act[r:r + 1], w) for r in range(4)])
+    assert torch.equal(CausalLM._down(act, w, per_row=True), alone)
+    assert torch.equal(CausalLM._down(act, w, per_row=False), F.linear(act, w))
+
+
+def test_greedy_tokens_equal_argmax_including_ties_inf_and_nan():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 5000, generator=g)
+    x[3, 100] = x[3, 200] = 1e4  # a tie: the first index wins, as in argmax
+    x[5] = float("-inf")
+    x[6, :] = float("-inf")
+    x[6, 4999] = 0.0
+    assert greedy_tokens(x) == x.argmax(-1).tolist()
+    x[2, 5] = float("nan")
+    assert greedy_tokens(x) == x.argmax(-1).tolist()
+    y = x[:, ::2]  # a strided view
+    assert greedy_tokens(y) == y.argmax(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def smol_bf16():
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+
+    # No prefix caching: a cache hit prefills the rest of a prompt against gathered history,
+    # which rounds differently from prefilling it whole (as the first run did).
+    return LLMEngine.from_path(None, EngineConfig(dtype="bfloat16", attention="exact", enable_prefix_caching=False))
+
+
+def _decode_logits(engine, prompts, steps):
+    """Logits of every step for every prompt, run together through engine.step()."""
+    from flowyard.engine.sampling import SamplingParams
+
+    rec: dict[int, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(plan):
+        logits, samplers = execute(plan)
+        for s, row in zip(samplers, logits):
+            rec.setdefault(s.id, []).append(row.clone())
+        return logits, samplers
+
+    engine.runner.execute = recording
+    try:
+        engine.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    finally:
+        engine.runner.execute = execute
+    return [rec[k] for k in sorted(rec)]
+
+
+def test_exact_bf16_small_batches_are_bitwise_each_sequence_alone(smol_bf16):
+    """Up to PER_ROW_DOWN_MAX decodes, a batch gives every sequence the logits it gets alone
+    (which is what transformers computes for it: equal lengths mod 16 share SDPA calls)."""
+    prompts = [list(range(100, 137)), list(range(200, 238)), list(range(300, 350)), list(range(400, 417))]
+    together = _decode_logits(smol_bf16, prompts, 20)
+    for p, rows in zip(prompts, together):
+        alone = _decode_logits(smol_bf16, [p], 20)[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone, rows))
