@@ -222,3 +222,28 @@ def test_op_boundaries_end_at_the_step_time():
 def test_flowprefill_needs_a_predictor():
     with pytest.raises(ValueError, match="predictor"):
         build_policy("flowprefill", PolicyOptions(num_instances=2))
+
+
+def test_chunked_prompts_cannot_deadlock_a_full_kv_cache():
+    """Regression: partial prompts back in Q_w used to hold KV that the next chunk of the most
+    urgent one needed, and schedule() returned None forever."""
+    import numpy as np
+
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    s = FlowPrefillScheduler(1, Role.PREFILL, kv, FlowPrefillConfig(priority="edf", chunk_size=16), COST)
+    t, done = 0.0, 0
+    for step in range(100):
+        if step < 5:  # more urgent prompts keep arriving while the first ones are mid-way
+            s.add_request(RequestState(req(step, t, 48, [10, 8, 6, 4, 2][step], out=2)), t)
+        plan = s.schedule(t)
+        if plan is None:
+            for st in list(s._handed_off.values()):  # the decode side takes the hand-offs
+                s.release(st.id)
+                done += 1
+            if not s.has_work():
+                break
+            plan = s.schedule(t)
+            assert plan is not None, "deadlock"
+        t += 0.01
+        s.update_from_output(plan, StepOutput(end_times=np.array([t])))
+    assert done == 5 and kv.leaked() == {}

@@ -167,15 +167,32 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
                 self.stats.resumes += 1
                 self.executing = h
                 return h.plan
-            task = self._submit(h, now)
-            if task is None and self.preempted:  # H's KV does not fit: run what already has KV
-                task = min(self.preempted, key=lambda t: self._task_key(t, now))
-                self.preempted.remove(task)
-                self.stats.resumes += 1
+            task = self._submit(h, now) or self._holding_kv(now)
             if task is None:
                 return None  # wait for a hand-off to free KV
             self.executing = task
             return task.plan
+
+    def _holding_kv(self, now: float) -> Task | None:
+        """H's KV does not fit: run the best of what already holds its KV (a preempted task, or
+        a chunked prompt between chunks), so work that can finish is never stuck behind it."""
+        best: tuple[tuple, RequestState | Task] | None = None
+        for task in self.preempted:
+            k = self._task_key(task, now)
+            if best is None or k < best[0]:
+                best = (k, task)
+        for st in self.waiting.values():
+            if st.num_computed and self.kv.num_held(st.id):
+                k = self._request_key(st, now)
+                if best is None or k < best[0]:
+                    best = (k, st)
+        if best is None:
+            return None
+        if isinstance(best[1], Task):
+            self.preempted.remove(best[1])
+            self.stats.resumes += 1
+            return best[1]
+        return self._submit(best[1], now)
 
     def _slice(self, st: RequestState) -> int:
         n = st.uncomputed

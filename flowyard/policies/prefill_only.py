@@ -34,11 +34,13 @@ class PrefillOnlyScheduler(LocalScheduler):
         return False
 
     def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        """Reserve KV for the next n tokens of st (after any cached prefix) and add the slice."""
+        """Add a slice of the next n tokens of st (after any cached prefix). KV is reserved for
+        the whole prompt at once: a chunked prompt that went back to a queue between chunks
+        then never waits for KV that later arrivals took, so a full cache cannot deadlock."""
         cached = self.kv.match_prefix(st) if st.num_computed == 0 else 0
         st.num_computed += cached
         n = min(n, st.uncomputed)
-        if not self.kv.allocate(st.id, st.num_computed + n):
+        if not self.kv.allocate(st.id, st.seq_len):
             if cached:
                 self.kv.free(st.id)
                 st.num_computed = 0
