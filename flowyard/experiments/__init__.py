@@ -16,6 +16,7 @@ from typing import Callable
 #: experiment name -> module (imported only when that experiment runs)
 EXPERIMENTS: dict[str, str] = {
     "flowprefill": "flowyard.experiments.flowprefill",
+    "arrow": "flowyard.experiments.arrow",
 }
 
 DEFAULT_OUT = "docs/results"

@@ -1,0 +1,79 @@
+"""`flowyard reproduce arrow --quick`: the report, its figures and raw curves, the paper's numbers
+beside ours, and the helpers of `flowyard.experiments.arrow`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowyard.cli import main
+from flowyard.experiments.arrow import QUICK, SYSTEMS, APoint, Search, table_rate
+from flowyard.experiments.common import Threshold
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    assert main(["reproduce", "arrow", "--quick", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_quick_run_writes_markdown_figures_and_curves(quick_report):
+    md = (quick_report / "arrow.md").read_text(encoding="utf-8")
+    figs = quick_report / "arrow"
+    pngs = sorted(p.name for p in figs.glob("*.png"))
+    assert pngs == ["fig7_e2e.png", "fig8_ablation.png", "fig9_scalability.png"]
+    for name in pngs:
+        data = (figs / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+        assert f"(arrow/{name})" in md  # linked from the report
+    data = json.loads((figs / "results.json").read_text())
+    assert [w["trace"] for w in data["workloads"]] == ["azure-code", "azure-conv", "burstgpt", "mooncake-conv"]
+    code = data["workloads"][0]
+    assert set(code["systems"]) == set(SYSTEMS) and set(code["ablation"]) == {
+        "SLO-aware (arrow)", "Minimal load", "Round robin"}
+    assert sorted(data["scalability"]["gpus"]) == ["4", "8"]
+    point = next(iter(code["systems"]["Arrow"]["points"].values()))
+    assert {"attainment", "ttft_p90", "tpot_p90", "flips"} <= set(point)
+    # the direction of the paper's result: Arrow sustains more than the static systems on Azure Code
+    gp = {n: s["goodput_rps"] for n, s in code["systems"].items()}
+    assert gp["Arrow"] > max(v for n, v in gp.items() if n != "Arrow") > 0
+
+
+def test_report_has_tables_paper_numbers_and_provenance(quick_report):
+    md = (quick_report / "arrow.md").read_text(encoding="utf-8")
+    for header in ("| claim (Arrow …) | paper | ours | ours vs paper |",
+                   "| workload | window | requests | mean rate (req/s) | SLO TTFT / TPOT |",
+                   "| system | goodput (req/s) | Arrow / system | attainment | P90 TTFT (s) | P90 TPOT (ms) | "
+                   "TTFT met | TPOT met |",
+                   "| strategy | goodput (req/s) | SLO-aware / strategy |",
+                   "| GPUs | SLO-aware goodput | minimal-load goodput |"):
+        assert header in md, header
+    for paper in ("5.62×", "7.78×", "3.60×", "5.04×", "3.76×", "4.06×", "3.73×", "4.14×", "1.67×"):
+        assert f"| {paper} |" in md, paper
+    for section in ("## End-to-end (Fig. 7)", "## Request and instance scheduling strategies (Fig. 8)",
+                    "## Scalability with the number of GPUs (Fig. 9)", "## Where and why ours differ"):
+        assert section in md, section
+    assert f"`flowyard reproduce arrow --out {quick_report} --quick`" in md
+    assert "s of wall time" in md and "Quick mode" in md
+    assert "only the first 400 rows of BurstGPT are public here" in md
+    for system in SYSTEMS:
+        assert f"| {system} |" in md, system
+    for trace in ("Azure Code", "Azure Conversation", "BurstGPT", "Mooncake"):
+        assert f"### {trace} (table at" in md, trace
+
+
+def test_unknown_experiment_lists_arrow(capsys):
+    assert main(["reproduce", "nope"]) == 2
+    assert "arrow" in capsys.readouterr().err
+
+
+def test_table_rate_is_the_largest_grid_rate_arrow_meets():
+    def p(a: float) -> APoint:
+        return APoint(a, a, 1.0, 1.0, 0.01, 1.0, 0, 4, 0.0, 0)
+
+    s = Search(Threshold(12.0), {4: p(1.0), 8: p(0.95), 12: p(0.9), 16: p(0.5), 10: p(0.92)})
+    assert table_rate(s, (4, 8, 16)) == 8  # 12 and 10 are bisection points, not grid rates
+    assert table_rate(Search(Threshold(0.0), {4: p(0.1)}), (4, 8)) == 4  # none meets: the lowest
+    assert all(len(w.grid) >= 2 for w in QUICK.workloads)
