@@ -107,7 +107,7 @@ class ArrowRouter(GlobalScheduler):
         m = len(snaps) - spare
         if m <= 0:
             return float("inf")
-        tokens = sum(s.running_tokens for s in snaps) / (m * max(1, self.max_running_tokens(tpot)))
+        tokens = sum(_load(s) for s in snaps) / (m * max(1, self.max_running_tokens(tpot)))
         worst = max((self.interval(s) for s in snaps), default=0.0) / tpot
         return max(tokens, worst)
 
@@ -196,7 +196,7 @@ class ArrowRouter(GlobalScheduler):
             return src  # its prefill instance now decodes: no KV to move
         if self.cfg.mode == "rr":
             return self._round_robin(pools.members(*DECODE_SIDE), 1)
-        tokens = {i: view.snapshot(i).running_tokens for i in pools.members(*DECODE_SIDE)}
+        tokens = {i: _load(view.snapshot(i)) for i in pools.members(*DECODE_SIDE)}
         t1 = self._argmin(pools.members(Pool.D), tokens.__getitem__)
         t2 = self._argmin(pools.members(Pool.P2D), tokens.__getitem__)
         if self.cfg.mode == "minload":
@@ -208,7 +208,7 @@ class ArrowRouter(GlobalScheduler):
                 continue
             s = view.snapshot(t)
             cap = min(mrt, int(s.kv_total_blocks * s.block_size * self.cfg.kv_headroom))
-            if s.running_tokens + state.seq_len <= cap and self.interval(s) <= tpot:
+            if _load(s) + state.seq_len <= cap and self.interval(s) <= tpot:
                 return t
         t3 = self.try_move_prefill_to_decode(view, now)
         if t3 is not None:
@@ -233,3 +233,10 @@ class ArrowRouter(GlobalScheduler):
             idle = [i for i in pools.members(Pool.P) if view.snapshot(i).num_requests == 0]
             if idle:
                 self.try_move_prefill_to_decode(view, now, only=idle)
+
+
+def _load(s: InstanceSnapshot) -> int:
+    """Decode load of an instance: running tokens plus those queued to migrate in. Counting
+    only running requests hides an instance at its batch limit, whose arrivals pile up in its
+    migration queue while its running tokens stay flat (it would keep looking least loaded)."""
+    return s.running_tokens + s.incoming_tokens

@@ -400,6 +400,8 @@ class BatchScheduler(LocalScheduler):
             kv_total_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             num_migrating_in=len(self._migrations) + len(self._incoming),
+            incoming_tokens=sum(r.seq_len for r in self._migrations)
+            + sum(r.seq_len for r in self._incoming.values()),
             prefill_queue=tuple(partial) + tuple((w[2].num_computed, w[3]) for w in self._waiting),
             num_decoding=len(self.running) - len(partial),
             token_interval=self._token_interval or 0.0,
