@@ -16,6 +16,7 @@ from typing import Callable
 #: experiment name -> module (imported only when that experiment runs)
 EXPERIMENTS: dict[str, str] = {
     "flowprefill": "flowyard.experiments.flowprefill",
+    "pla-serve": "flowyard.experiments.pla_serve",
     "arrow": "flowyard.experiments.arrow",
 }
 
