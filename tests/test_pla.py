@@ -94,11 +94,11 @@ def test_steps_are_all_short_or_all_long_and_short_ones_are_not_queued_behind_lo
     assert {p.state.id for p in plan.prefills} == {1, 2}  # before the long prompt's next chunk
 
 
-def test_reprefill_on_cached_history_is_short():
-    s = sched()
-    r = RequestState(req(0, 0.0, 4000, history=3960))
-    s.add_request(r, 0.0)
-    assert 0 in s.short
+def test_reprefill_on_cached_history_is_short_by_the_router():
+    from flowyard.policies.pla import is_short
+
+    assert is_short(req(0, 0.0, 4000, history=3960), LENGTHS)
+    assert not is_short(req(0, 0.0, 4000), LENGTHS)
 
 
 # -- whole runs ---------------------------------------------------------------------------------
@@ -142,3 +142,20 @@ def test_pla_keeps_up_with_distserve_on_multi_turn_reprefills():
         return np.mean([s.first_token_time - s.req.arrival <= 0.4 for s in res.states])
 
     assert attain("pla") >= attain("distserve") - 0.02
+
+
+def test_a_wake_up_at_the_head_of_line_bound_always_dispatches():
+    """Regression: `ready` and `wake` computed the T_max bound differently, so rounding could
+    leave a short request asking to be woken 'now' forever."""
+    s = sched(awd=AWDConfig(w_min=0.1, w_max=0.1, t_max=0.05))
+    hol = 5.433939890853173
+    s.add_request(RequestState(req(0, hol, 40, ttft=None, out=1)), hol)
+    t = s.wake_at(hol)
+    assert t > hol and s.schedule(t) is not None
+
+
+def test_a_turn_routed_away_from_its_history_is_long():
+    s = sched()
+    r = RequestState(req(0, 0.0, 4000, history=3960))  # its history is cached elsewhere
+    s.add_request(r, 0.0)
+    assert 0 not in s.short and list(s.long) == [r]

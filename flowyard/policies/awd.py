@@ -99,11 +99,10 @@ class AWDState:
         w = min(max(w, c.w_min), c.w_max)
         return (self.opened if self.opened is not None else now) + w
 
-    def ready(self, now: float, depth: int, min_slack: float | None, hol_wait: float) -> bool:
-        c = self.cfg
-        return (depth >= self.depth or hol_wait >= c.t_max
-                or (min_slack is not None and min_slack <= c.sigma)
-                or now >= self.window_end(now, depth, min_slack) - 1e-12)
+    def ready(self, now: float, depth: int, min_slack: float | None, hol_arrival: float) -> bool:
+        """Dispatch now? True at (or within rounding of) the time `wake` returned, so a wake-up
+        can never find the batch not ready and ask to be woken at the same instant again."""
+        return depth >= self.depth or self.wake(now, depth, min_slack, hol_arrival) <= now + 1e-9
 
     def wake(self, now: float, depth: int, min_slack: float | None, hol_arrival: float) -> float:
         """When `ready` turns true if nothing arrives: the earliest of window end, HoL bound

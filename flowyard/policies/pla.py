@@ -22,7 +22,7 @@ changes pool drains its old class first.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
@@ -94,12 +94,20 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
     def add_request(self, state: RequestState, now: float) -> bool:
         if not self._fits(state):
             return False
-        if self.is_short(state.req):
+        if self._classify_short(state):
             self.short[state.id] = state
             self.awd.arrived(now)
         else:
             self.long.append(state)
         return True
+
+    def _classify_short(self, st: RequestState) -> bool:
+        """By what this instance really has to compute: the history counts only if its KV is
+        in this instance's prefix cache (a turn routed away from its history is not short)."""
+        if st.req.history_len == 0:
+            return self.is_short(st.req)
+        cached = min(self.kv.peek_prefix(st), st.req.prompt_len - 1)
+        return is_short(replace(st.req, history_len=cached), self.lengths, self.config.boundary)
 
     def is_short(self, r: Request) -> bool:
         return is_short(r, self.lengths, self.config.boundary)
@@ -134,7 +142,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
                 ready = self._short_tokens() >= self.config.awd.memory_budget or \
                     now >= self.awd.window_end(now, len(self.short), None) - 1e-12
             else:
-                ready = self.awd.ready(now, len(self.short), slack, now - hol)
+                ready = self.awd.ready(now, len(self.short), slack, hol)
             if ready:
                 plan = self._short_batch(now)
                 if plan is not None:
