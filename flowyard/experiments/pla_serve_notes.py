@@ -114,33 +114,18 @@ def differences(res: Results, prices: dict[str, float]) -> str:
 def issues(res: Results) -> str:
     stuck = list(res.tally.failures) if res.tally else []
     return "\n".join([
-        "1. **AWD can stall a short request forever** ("
-        + (f"{len(stuck)} run(s) of this report ended with requests stuck, listed below). " if stuck else
-           "no run of this report hit it). ")
-        + 
-        "`AWDState.ready` tests the head-of-line bound as `now - hol_arrival >= t_max`, while `AWDState.wake` "
-        "returns `hol_arrival + t_max`. At that moment floating-point rounding can make `now - hol_arrival` "
-        "fall just short of `t_max`: `schedule` returns None, `wake_at` returns `now` itself, and an executor "
-        "that only sets timers later than now (the simulator) never schedules the instance again; only another "
-        "arrival there rescues the request. Reproducer (no SLO, a window longer than T_max):\n\n"
-        "   ```python\n"
-        "   sch = PLAPrefillScheduler(0, Role.PREFILL, KVCacheManager(20000, 16),\n"
-        "                             PLAConfig(awd=AWDConfig(w_min=0.1, w_max=0.1, t_max=0.05)), cost, lengths)\n"
-        "   hol = 5.433939890853173\n"
-        "   sch.add_request(RequestState(Request(id=0, arrival=hol, prompt_len=40, output_len=1)), hol)\n"
-        "   t = sch.wake_at(hol)  # 5.483939890853173 = hol + t_max\n"
-        "   assert sch.schedule(t) is None and sch.wake_at(t) == t  # stalled\n"
-        "   ```\n\n"
-        "   A fix: compare the same expression in both places (`now >= hol_arrival + t_max - 1e-12`), and likewise "
-        "for the slack test (`min_slack <= sigma` against `now + min_slack - sigma`).",
-        "2. **Short/long is decided on the declared history, not on what is cached.** `is_short` uses "
-        "`prompt_len - history_len`, so a follow-up turn is \"short\" even on an instance that does not hold its "
-        "history (another prefill instance, or the reply's KV, which stays on the decode instance under PD). It then "
-        "runs its whole uncached prompt through the short path, unchunked and never graphed (in `--quick`'s stuck "
-        "8P run, request 595 was a 64-token follow-up that computed all 2,964 tokens of its prompt there). "
-        "Classifying by `prompt_len - "
-        "kv.peek_prefix(state)` at `add_request`, and routing a conversation to the instance holding its prefix, "
-        "would keep the classes honest.",
+        "1. **AWD could stall a short request forever** (found by an earlier run of this report, fixed in "
+        "cdb2769 with a regression test; "
+        + (f"{len(stuck)} run(s) of this report still ended with requests stuck, listed below). " if stuck else
+           "no run of this report is stuck). ")
+        + "`AWDState.ready` tested the head-of-line bound as `now - hol_arrival >= t_max` while `wake` returned "
+        "`hol_arrival + t_max`; floating-point rounding could leave `schedule` returning None at the wake-up "
+        "time it had asked for. `ready` is now the wake-up test itself.",
+        "2. **Short/long was decided on the declared history, not on what is cached** (fixed in cdb2769). A "
+        "follow-up turn counted as short on an instance that did not hold its history, and then ran its whole "
+        "uncached prompt through the short path. A prefill instance now classifies a turn by `peek_prefix`, "
+        "what its own cache holds. The router still routes by the declared history: session-affine routing, "
+        "sending a conversation back to the instance holding its prefix, is not done.",
         "3. **Padding is not priced.** AWD pads to the nearest captured shape whenever one holds the batch; with long "
         "histories the padded rows' attention makes the replay as slow as the eager step (see above). Checking the "
         "predicted time of both before padding would avoid it.",
