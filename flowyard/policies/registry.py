@@ -10,6 +10,9 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
+from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
+from flowyard.policies.dynaserve_local import DynaServeLocalScheduler
+from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
 from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, length_model_of
@@ -39,6 +42,7 @@ class PolicyOptions:
     flowprefill: FlowPrefillConfig | None = None  # override FlowPrefill's knobs (ablations)
     pla: PLAConfig | None = None  # override PLA-Serve's knobs (variants)
     pla_controller: ControllerConfig | None = None
+    dynaserve: DynaServeConfig | None = None  # override DynaServe's knobs (K, tolerance, SLO, lengths)
 
 
 @dataclass
@@ -164,6 +168,36 @@ def _arrow(mode: str) -> Callable[[str, PolicyOptions], Policy]:
     return build
 
 
+def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
+    """DynaServe (§4): a unified pool of MIXED instances; requests split into micro-requests
+    on round-robin pairs by the split search (Alg. 1); SLO-aware local batches (Alg. 2).
+    `dynaserve-oracle` predicts output lengths exactly (the true target)."""
+
+    def build(name: str, o: PolicyOptions) -> Policy:
+        if o.predictor is None:
+            raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) for its split "
+                             "search and its step-time profile")
+        cfg = o.dynaserve or DynaServeConfig(max_num_seqs=o.max_num_seqs, chunk_cap=o.chunk_size or 1024)
+        if oracle:
+            cfg = dataclasses.replace(cfg, lengths="oracle")
+        lengths = make_length_predictor(cfg.lengths, margin=cfg.length_margin, error=cfg.length_error,
+                                        sigma=cfg.length_sigma, prior_mean=cfg.length_prior)
+        predictor, local_cfg = o.predictor, cfg.local()
+        batch = BatchConfig(max_num_batched_tokens=cfg.chunk_cap, max_num_seqs=cfg.max_num_seqs)
+        policy = Policy(name, DynaServeRouter(predictor, lengths, cfg), [Role.MIXED] * o.num_instances,
+                        {Role.MIXED: batch})
+
+        def local(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+            # reads policy.configs when built, so a caller's BatchConfig override applies
+            return DynaServeLocalScheduler(instance, role, kv, policy.configs[role], predictor,
+                                           local_cfg, on_finish=lengths.observe)
+
+        policy.schedulers[Role.MIXED] = local
+        return policy
+
+    return build
+
+
 _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "vllm": _colocated(VllmDataParallel),
     "round-robin": _colocated(RoundRobin),
@@ -177,6 +211,8 @@ _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "arrow": _arrow("slo"),
     "arrow-minload": _arrow("minload"),
     "arrow-rr": _arrow("rr"),
+    "dynaserve": _dynaserve(False),
+    "dynaserve-oracle": _dynaserve(True),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_BUILDERS)

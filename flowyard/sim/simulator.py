@@ -6,6 +6,15 @@ deterministic. Events: a request arrives (from an `ArrivalSource`, `flowyard/sim
 trace replay or closed-loop clients; its arrival is recorded as the time the event fires); an
 instance finishes the step(s) it was running; a KV transfer lands. Step times: the cost model.
 
+KV transfers take `topology.link(src, dst)`'s time for the bytes moved, and links are not
+shared (each transfer has its own). A micro-request (`RequestState.split_at`, DynaServe §4.3)
+pushes its first segment's KV chunk by chunk: every step that computes tokens of the segment
+sends their KV at once, back to back on the request's link, so at the hand-off only the last
+chunk is still in flight. `chunked_kv=False` (or a global scheduler with `chunked_kv = False`)
+sends the whole segment after the hand-off instead, as for a PD hand-off; requests without a
+split always move that way, so other policies are unchanged. `kv_exposed` records, per
+hand-off, the seconds from the transfer's start to its landing that computation did not hide.
+
 Speed comes from one exact shortcut. When a local scheduler promises a decode-only run
 (`StepPlan.max_repeats`), the simulator prices all of its steps in one vectorised cost-model
 call and sleeps until the first request finishes. Any event that reaches the instance before
@@ -60,6 +69,7 @@ class Simulator:
         prefix_caching: bool = False,
         snapshot_staleness: float = 0.0,
         arrivals: ArrivalSource | None = None,
+        chunked_kv: bool | None = None,
     ) -> None:
         self.requests = list(requests)
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
@@ -79,6 +89,13 @@ class Simulator:
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
         self._kv_bytes = cost_model.kv_bytes_per_token()
+        # Chunk-by-chunk KV push of micro-requests' first segments (None: the policy decides)
+        self.chunked_kv = (getattr(policy.global_scheduler, "chunked_kv", True)
+                           if chunked_kv is None else chunked_kv)
+        self._pushed: dict[int, tuple[int, float]] = {}  # request id -> (tokens sent, link free at)
+        self.kv_exposed: list[float] = []  # per micro-request hand-off: transfer time not hidden
+        self._micro: set[int] = set()  # micro-requests handed off, transfer not started yet
+        self._splitting: dict[int, RequestState] = {}  # micro-requests before their hand-off
         self._heap: list[tuple[float, int, int, object]] = []  # (time, kind, seq, payload)
         self._seq = itertools.count()
         self.now = 0.0
@@ -175,6 +192,7 @@ class Simulator:
         dst = gs.route(st.req, _View(self), self.now)
         if dst is not None and (split := gs.split_point(st.req, dst, _View(self), self.now)):
             st.split_at, st.split_to = split
+            self._splitting[st.id] = st
         if dst is None:
             self._ended(st, "rejected by the global scheduler")
             return
@@ -222,9 +240,18 @@ class Simulator:
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
+        if self._splitting and self.chunked_kv:
+            self._push_chunks(inst.id, ends)
         for st in result.finished:
+            if self._splitting:
+                self._splitting.pop(st.id, None)
+                self._pushed.pop(st.id, None)
             self._ended(st)
         gs = self.policy.global_scheduler
+        for st in result.handoffs:
+            if st.split_to is not None:  # a micro-request's first segment is done
+                self._micro.add(st.id)
+                self._splitting.pop(st.id, None)
         moves = [(st, _next_instance(gs, st, inst.id, _View(self), self.now)) for st in result.handoffs]
         if gs.routes_decode:  # stateless instances: the decode may move after the prefill
             for st in result.prefilled:
@@ -240,12 +267,41 @@ class Simulator:
         self._start_transfers(inst)
         self._kick(inst)
 
+    def _push_chunks(self, src: int, ends: np.ndarray) -> None:
+        """Micro-requests whose first segment runs on `src` send the KV the plan just computed:
+        one chunk per step, each leaving when its step ends or when the request's previous
+        chunk has left, whichever is later (f_k = max(f_k-1, end_k) + tau_k)."""
+        for st in self._splitting.values():
+            if st.instance != src or st.split_to is None:
+                continue
+            sent, free = self._pushed.get(st.id, (0, -np.inf))
+            new = st.num_computed - sent
+            if new <= 0:
+                continue
+            link = self.topology.link(src, st.split_to)
+            if len(ends) == 1:  # one chunk: this step's tokens
+                free = max(free, float(ends[-1])) + link.transfer_time(new * self._kv_bytes)
+            else:  # a decode run: one token per step
+                tau = link.transfer_time(self._kv_bytes)
+                k = np.arange(len(ends), 0, -1)  # chunks from step i to the last, inclusive
+                free = max(free + new * tau, float(np.max(ends + k * tau)))
+            self._pushed[st.id] = (st.num_computed, free)
+
     def _start_transfers(self, dst: SimInstance) -> None:
         for st in dst.sched.admit_migrations(self.now):
             src = st.instance
             assert src is not None
-            nbytes = st.num_computed * self._kv_bytes
-            t = self.now + self.topology.link(src, dst.id).transfer_time(nbytes)
+            link = self.topology.link(src, dst.id)
+            pushed = self._pushed.pop(st.id, None)
+            if pushed is None:  # the whole KV moves now (PD hand-off, or chunking off)
+                t = self.now + link.transfer_time(st.num_computed * self._kv_bytes)
+            else:  # earlier chunks are on their way or there: only the rest goes now
+                sent, free = pushed
+                rest = st.num_computed - sent
+                t = max(self.now, free) + (link.transfer_time(rest * self._kv_bytes) if rest > 0 else 0.0)
+            if st.id in self._micro:
+                self._micro.discard(st.id)
+                self.kv_exposed.append(t - self.now)
             self._push(t, KV_DONE, (st, src, dst.id))
 
     def _kv_landed(self, st: RequestState, src: int, dst: int) -> None:

@@ -1,0 +1,227 @@
+"""DynaServe's local scheduler (Alg. 2, §4.2): SLO-aware batch composition per instance.
+
+A fixed chunk size bounds step latency only loosely: what a step costs depends on its whole
+composition (prefill tokens, number of decodes, their mean context). So before every step the
+scheduler takes all ready decodes first, looks up in an online profile table the largest prefill
+token budget whose predicted step time stays within the TBT SLO for that many decodes at that
+context, and then fills that budget with prefill chunks in arrival order, each request taking at
+most `chunk_cap` tokens. After every step it records (prefill tokens, mean decode context,
+decode count, measured time) in the table, so the prediction follows what the instance really
+does; before any measurement (cold start) it is the predictor cost model's.
+
+Everything else (queues, KV accounting, preemption, migrations, micro-request split handling)
+is `BatchScheduler`'s: this subclass changes only how much prefill goes into a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import BatchShape, StepOutput, StepPlan
+from flowyard.core.request import Request, RequestState, Status
+from flowyard.costmodel.base import CostModel
+from flowyard.policies.base import Role, StepResult
+from flowyard.policies.local import BatchConfig, BatchScheduler
+
+# Prefill budgets the table answers with (tokens), and the bucket edges of its keys.
+PREFILL_GRID: tuple[int, ...] = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+                                 2048, 3072, 4096, 6144, 8192)
+
+
+def _bucket(x: float) -> int:
+    """Power-of-two bucket (0, 1, 2, 4, 8, ...): table keys for decode count and context."""
+    return 0 if x < 1 else 1 << int(x).bit_length() - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LocalConfig:
+    """Alg. 2's knobs: the TBT SLO a step must stay within (with a safety factor), the per-
+    request chunk cap, a prefill floor so prompts progress even when decodes alone exceed the
+    SLO, the weight of a new measurement in the table's moving average, and how long a
+    micro-request's second segment waits for KV here before it is recomputed instead."""
+
+    tbt_slo: float = 0.1
+    headroom: float = 0.9
+    chunk_cap: int = 1024
+    min_prefill: int = 16
+    max_prefill: int = 8192
+    alpha: float = 0.2
+    migration_patience_s: float = 0.5  # then a migration that finds no KV here is recomputed
+
+    def __post_init__(self) -> None:
+        if not self.tbt_slo > 0 or not 0 < self.headroom <= 1 or self.chunk_cap < 1:
+            raise ValueError("tbt_slo > 0, 0 < headroom <= 1 and chunk_cap >= 1 required")
+
+
+class ProfileTable:
+    """Measured/predicted step-time ratios by (decode count, context, prefill) bucket.
+
+    The prediction for a shape is the cost model's time times the ratio of its cell (the
+    global ratio while the cell has no measurement; 1 before any). Storing ratios rather than
+    raw times lets one measurement inform every shape of its cell. Ratios are used rounded to
+    1 % steps, so a budget depends only on the table's contents, never on when it was
+    looked up (the budget cache stays exact). Only steps with prefill tokens are recorded:
+    the lookup always prices a step with prefill, and decode-only steps are the ones a
+    simulator may fold into multi-step runs."""
+
+    QUANTUM = 0.01
+
+    def __init__(self, cost: CostModel, cfg: LocalConfig) -> None:
+        self.cost, self.cfg = cost, cfg
+        self.ratio: dict[tuple[int, int, int], float] = {}  # EWMA of measured / cost model
+        self._used: dict[tuple[int, int, int], float] = {}  # the same, rounded
+        self.global_ratio = 1.0
+        self._global_used = 1.0
+        self.samples = 0
+        self._budget: dict[tuple[int, int], int] = {}
+
+    def _key(self, prefill: float, ctx: float, n: int) -> tuple[int, int, int]:
+        return (_bucket(n), _bucket(ctx), _bucket(prefill))
+
+    @staticmethod
+    def shape(prefill: int, ctx: float, n: int) -> BatchShape:
+        return BatchShape(prefill_tokens=prefill, prefill_seqs=1 if prefill else 0,
+                          prefill_attn=prefill * (prefill + 1) / 2, prefill_kv=prefill,
+                          decode_seqs=n, decode_ctx=ctx * n)
+
+    def model_time(self, prefill: int, ctx: float, n: int) -> float:
+        """The cost model's time (cold start) for this composition."""
+        return float(self.cost.step_time(self.shape(prefill, ctx, n)))
+
+    def predict(self, prefill: int, ctx: float, n: int) -> float:
+        r = self._used.get(self._key(prefill, ctx, n), self._global_used)
+        return self.model_time(prefill, ctx, n) * r
+
+    def _round(self, r: float) -> float:
+        return float(np.exp(round(np.log(r) / self.QUANTUM) * self.QUANTUM))
+
+    def record(self, prefill: int, ctx: float, n: int, seconds: float) -> None:
+        """One executed step with prefill: its composition and measured time."""
+        predicted = self.model_time(prefill, ctx, n)
+        if prefill <= 0 or not predicted > 0 or not seconds > 0:
+            return
+        a, x = self.cfg.alpha, seconds / predicted
+        key = self._key(prefill, ctx, n)
+        old = self.ratio.get(key)
+        self.ratio[key] = x if old is None else (1 - a) * old + a * x
+        self.global_ratio = (1 - a) * self.global_ratio + a * x if self.samples else x
+        self.samples += 1
+        used, glob = self._round(self.ratio[key]), self._round(self.global_ratio)
+        if used != self._used.get(key) or glob != self._global_used:
+            self._used[key], self._global_used = used, glob
+            self._budget.clear()
+
+    def budget(self, n: int, ctx: float) -> int:
+        """Largest prefill tokens (grid point, then bisection between grid points) whose
+        predicted step with n decodes at mean context ctx (rounded up to 64 tokens) stays
+        within the SLO."""
+        key = (n, int(ctx) >> 6)
+        hit = self._budget.get(key)
+        if hit is not None:
+            return hit
+        ctx = float((key[1] + 1) << 6)  # the top of its 64-token bucket: cached budgets are exact
+        limit = self.cfg.tbt_slo * self.cfg.headroom
+        ok = 0
+        grid = [g for g in PREFILL_GRID if g <= self.cfg.max_prefill]
+        for g in grid[1:]:
+            if self.predict(g, ctx, n) > limit:
+                lo, hi = ok, g  # ok fits, g does not
+                while hi - lo > 8:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if self.predict(mid, ctx, n) <= limit else (lo, mid)
+                ok = lo
+                break
+            ok = g
+        if len(self._budget) > 4096:
+            self._budget.clear()
+        self._budget[key] = ok
+        return ok
+
+
+class DynaServeLocalScheduler(BatchScheduler):
+    """`BatchScheduler` whose per-step prefill budget comes from Alg. 2's profile table."""
+
+    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: BatchConfig,
+                 cost: CostModel, local: LocalConfig = LocalConfig(),
+                 on_finish: Callable[[Request, int], None] | None = None) -> None:
+        super().__init__(instance, role, kv, config)
+        self.base_config = config
+        self.local = local
+        self.profile = ProfileTable(cost, local)
+        self.on_finish = on_finish  # finished requests' output lengths: the length predictor
+        self.budgets: list[int] = []  # prefill budget of each step (tests, reports)
+        self._composed: tuple[int, float, int, float] | None = None
+        self._since: dict[int, float] = {}  # migration id -> when it asked to come here
+        self.recomputed = 0  # migrations taken without their KV (deadlock breaker)
+
+    def schedule(self, now: float) -> StepPlan | None:
+        ready = [r for r in self.running if r.status is Status.RUNNING and not r.in_prefill]
+        n = len(ready)
+        ctx = sum(r.num_computed + 1 for r in ready) / n if n else 0.0
+        budget = max(self.local.min_prefill, self.profile.budget(n, ctx))
+        self.config = dataclasses.replace(self.base_config, max_num_batched_tokens=n + budget)
+        plan = super().schedule(now)
+        if plan is not None:
+            self.budgets.append(budget)
+            shape = plan.shape()
+            dn = shape.decode_seqs
+            mean = float(shape.decode_ctx) / dn if dn else 0.0
+            self._composed = (int(shape.prefill_tokens), mean, dn, now)
+        return plan
+
+    def add_migration(self, state: RequestState, now: float) -> None:
+        super().add_migration(state, now)
+        self._since[state.id] = now
+
+    def admit_migrations(self, now: float) -> list[RequestState]:
+        """As BatchScheduler, plus a deadlock breaker. Micro-requests migrate both ways between
+        the instances of a pair, and a handed-off request keeps its KV at the source until the
+        destination admits it: two full instances can wait on each other forever. A migration
+        that has waited `migration_patience_s` for KV here is admitted without its KV and
+        recomputed here (as after a recompute preemption), so its source frees its KV."""
+        admitted = super().admit_migrations(now)
+        if (self._migrations and len(self.running) + len(self._incoming) < self.config.max_num_seqs):
+            head = self._migrations[0]
+            if now - self._since.get(head.id, now) >= self.local.migration_patience_s \
+                    and self.kv.allocate(head.id, 1):
+                self._migrations.pop(0)
+                head.num_computed = 0  # nothing moves; the source frees its KV when it "lands"
+                head.preemptions += 1
+                self._incoming[head.id] = head
+                admitted.append(head)
+                self.recomputed += 1
+        for st in admitted:
+            self._since.pop(st.id, None)
+        return admitted
+
+    def _migration_fits(self) -> bool:
+        """No multi-step decode run while a migration waits: its patience is measured in
+        steps as they end, exactly as when stepping one at a time."""
+        return bool(self._migrations) or super()._migration_fits()
+
+    def _chunk(self, want: int, budget: int, plan: StepPlan) -> int:
+        return super()._chunk(min(want, self.local.chunk_cap), budget, plan)
+
+    def _measure(self, out: StepOutput) -> None:
+        """Record the first executed step of the plan in the profile table."""
+        if self._composed is not None and len(out.end_times):
+            pf, ctx, n, start = self._composed
+            self.profile.record(pf, ctx, n, float(out.end_times[0]) - start)
+        self._composed = None
+
+    def advance(self, plan: StepPlan, out: StepOutput) -> None:
+        self._measure(out)
+        super().advance(plan, out)
+
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        self._measure(out)
+        result = super().update_from_output(plan, out)
+        if self.on_finish is not None:
+            for st in result.finished:
+                self.on_finish(st.req, st.num_output)
+        return result
