@@ -1,8 +1,8 @@
 """The engine's fast paths against the straightforward computation they replace.
 
 Each fast path (one gather per layer into a reused buffer, length-bucketed exact decode
-attention, sign-folded RoPE, in-place RMSNorm, per-row down_proj for small exact batches, the
-greedy argmax) must give the reference's bits, or, for `grouped` attention, its values
+attention, sign-folded RoPE, in-place RMSNorm, pre-blocked oneDNN weights, per-row down_proj
+for small exact batches, the greedy argmax) must give the reference's bits, or, for `grouped` attention, its values
 within bfloat16 rounding.
 """
 
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flowyard.engine.attention import AttentionBatch, decode_attention, plan_decode
+from flowyard.engine.model import PackedLinear
 from flowyard.engine.sampling import greedy_tokens
 
 BS, KVH, H, D = 16, 3, 9, 64
@@ -113,8 +114,27 @@ def test_per_row_down_proj_is_the_one_row_gemm():
     w = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
     act = torch.randn(4, 1536, generator=g).bfloat16()
     alone = torch.cat([F.linear(act[r:r + 1], w) for r in range(4)])
-    assert torch.equal(CausalLM._down(act, w, per_row=True), alone)
-    assert torch.equal(CausalLM._down(act, w, per_row=False), F.linear(act, w))
+    model = CausalLM.__new__(CausalLM)
+    torch.nn.Module.__init__(model)
+    model.linear = PackedLinear()
+    assert torch.equal(model._down(act, w, per_row=True), alone)
+    assert torch.equal(model._down(act, w, per_row=False), F.linear(act, w))
+
+
+@torch.inference_mode()
+@pytest.mark.skipif(not PackedLinear.available, reason="no oneDNN bfloat16 on this CPU")
+@pytest.mark.parametrize("k,n,bias", [(576, 960, True), (576, 3072, False), (1536, 576, False), (576, 4000, False)])
+def test_packed_linear_is_bitwise_f_linear(k, n, bias):
+    g = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    lin = PackedLinear()
+    for m in (1, 2, 3, 5, 32, 33, 200, 2048):
+        x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+        assert torch.equal(lin(x, w, b), F.linear(x, w, b)), m
+    assert torch.equal(lin(x[7:8], w, b), F.linear(x[7:8], w, b))  # a one-row view
+    w2 = w.clone()
+    assert torch.equal(lin(x, w2, b), F.linear(x, w2, b)) and len(lin._cache) == 2
 
 
 def test_greedy_tokens_equal_argmax_including_ties_inf_and_nan():

@@ -23,6 +23,44 @@ LAYER_OPS = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
 PER_ROW_DOWN_MAX = 4  # decode batches up to this size get per-row down_proj GEMMs (see _down)
 
 
+def _mkldnn_bf16() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear:
+    """F.linear with oneDNN-blocked copies of bfloat16 weights, made once and reused.
+
+    F.linear hands oneDNN a plain (N, K) weight, which it re-blocks on every call: about a
+    quarter of the CPU time of a 32-row decode's matmuls and over a third of a one-row one
+    (measured on the 2-core Zen 4 VM). `mkldnn._linear_pointwise` on a weight reordered once
+    runs the same kernels on the same blocking, so the bits are the same (checked for 1 to
+    2,048 rows in tests/test_engine_speed_paths.py); the price is a second copy of the
+    weights (about 270 MB for SmolLM2 in bfloat16). float32 is left alone: its F.linear goes
+    through MKL, which rounds differently from oneDNN. Entries are keyed by the weight tensor
+    itself, so `.to()` / `load_weights` (which clear the cache) never leave a stale copy.
+    """
+
+    available = _mkldnn_bf16()
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
+            return F.linear(x, weight, bias)
+        hit = self._cache.get(id(weight))
+        if hit is None or hit[0] is not weight:
+            hit = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
+            self._cache[id(weight)] = hit
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), hit[1], bias, "none", [], "")
+
+
 class RotaryEmbedding(nn.Module):
     """Hugging Face's non-interleaved RoPE (rotate_half), with a precomputed cos/sin table.
 
@@ -79,12 +117,18 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
         self.eps = cfg.rms_norm_eps
+        self.linear = PackedLinear()
+
+    def _apply(self, fn, recurse: bool = True):  # .to() / .float() replace the weights
+        self.linear.clear()
+        return super()._apply(fn, recurse)
 
     # -- weights -----------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Consumes `weights`
         (pops each tensor) so the caller's copy can be freed as we go."""
+        self.linear.clear()
         take = weights.pop
         self.embed.weight.copy_(take("model.embed_tokens.weight"))
         for i, layer in enumerate(self.layers):
@@ -118,8 +162,7 @@ class CausalLM(nn.Module):
         scale = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return xf.mul_(scale).to(x.dtype).mul_(w)
 
-    @staticmethod
-    def _down(act: torch.Tensor, weight: torch.Tensor, per_row: bool) -> torch.Tensor:
+    def _down(self, act: torch.Tensor, weight: torch.Tensor, per_row: bool) -> torch.Tensor:
         """down_proj. oneDNN multiplies a single bfloat16 row (transformers' decode) with
         another kernel than several rows, and for K = intermediate_size that kernel rounds
         about one row in twelve 1 ulp differently; so with per_row each decode row gets its
@@ -127,8 +170,8 @@ class CausalLM(nn.Module):
         every sequence alone. At larger batches that would cost a GEMV per row and layer, so
         they use the batched kernel (see benchmarks/results/engine_cpu.md)."""
         if per_row:
-            return torch.cat([F.linear(act[r:r + 1], weight) for r in range(act.shape[0])])
-        return F.linear(act, weight)
+            return torch.cat([self.linear(act[r:r + 1], weight) for r in range(act.shape[0])])
+        return self.linear(act, weight)
 
     def forward_steps(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch,
@@ -138,18 +181,19 @@ class CausalLM(nn.Module):
 
         input_ids/positions: (T,) for the whole flattened batch; kv_cache: (layers, 2,
         blocks, block_size, kv_heads, head_dim). Returns logits for attn.sample_rows.
-        Linear layers are called through F.linear, not the modules: a decode step runs
-        about 150 of them and module dispatch is a measurable share of a small batch.
+        Linear layers are called through `self.linear` (PackedLinear), not the modules: that
+        skips module dispatch and, in bfloat16, oneDNN's per-call weight re-blocking.
         """
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        linear = self.linear
         residual = F.embedding(input_ids, self.embed.weight)
         # See _down: a few exact bfloat16 decodes get transformers' one-row GEMM each.
         per_row = (not attn.grouped_decode and not attn.num_prefill_tokens and residual.dtype == torch.bfloat16
                    and 1 < residual.shape[0] <= PER_ROW_DOWN_MAX)
         cos, sin = self.rope.tables(positions, residual.dtype)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(self._rms(residual, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
+            qkv = linear(self._rms(residual, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
             # RoPE on q and k in one go: they are adjacent heads of the fused projection.
             qk = self.rope.apply(qkv[:, : layer.q_size + layer.kv_size].view(-1, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
@@ -158,9 +202,9 @@ class CausalLM(nn.Module):
             write_kv(kv_cache[i], k, v, attn.slot_mapping)
             o = paged_attention(q, k, v, kv_cache[i], attn)
             yield i, "attn"
-            residual = residual + F.linear(o.reshape(-1, nh * hd), layer.o_proj.weight, layer.o_proj.bias)
+            residual = residual + linear(o.reshape(-1, nh * hd), layer.o_proj.weight, layer.o_proj.bias)
             yield i, "o_proj"
-            gate_up = F.linear(self._rms(residual, layer.post_norm), layer.gate_up.weight)
+            gate_up = linear(self._rms(residual, layer.post_norm), layer.gate_up.weight)
             gate, up = gate_up.chunk(2, dim=-1)
             # A contiguous activation: oneDNN takes another, differently rounding kernel for a
             # strided input (so no in-place SiLU on the gate half of gate_up).
@@ -170,7 +214,7 @@ class CausalLM(nn.Module):
             yield i, "down_proj"
         last = self._rms(residual[attn.sample_rows], self.norm)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(last, weight).float()
+        return linear(last, weight).float()
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn, kv_cache) -> torch.Tensor:
