@@ -145,7 +145,7 @@ def test_embedded_model_short_tight_prompt_preempts_long_loose_one():
         seen["n"] += 1
         if seen["n"] == 30:  # layer 6 of 30 of the long prefill
             t_short["arrival"] = time.monotonic()
-            cluster.add_request("short", short_prompt, GREEDY, SLO(ttft=2.0))
+            cluster.add_request("short", short_prompt, GREEDY, SLO(ttft=3.0))
 
     cluster.boundary_hook = hook
     cluster.add_request("long", long_prompt, GREEDY, SLO(ttft=60.0))
@@ -154,9 +154,13 @@ def test_embedded_model_short_tight_prompt_preempts_long_loose_one():
         for o in cluster.step():
             if o.request_id == "short" and o.new_token_ids and "first" not in t_short:
                 t_short["first"] = time.monotonic()
+            if o.request_id == "long" and o.new_token_ids and "long_first" not in t_short:
+                t_short["long_first"] = time.monotonic()
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    # ~0.1 s on an idle 2-core CPU; the long prefill alone takes ~1.5 s
-    assert t_short["first"] - t_short["arrival"] <= 2.0
+    # ~0.1 s on an idle 2-core CPU (the long prefill alone takes ~1.5 s); a CPU shared with
+    # other torch processes can be ten times slower, hence a loose SLO
+    assert t_short["first"] - t_short["arrival"] <= 3.0
+    assert t_short["first"] < t_short.get("long_first", float("inf"))
     assert got["long"] == alone(model, tok, long_prompt)
     assert cluster.engines[0].pool.stats.count == 1
 
