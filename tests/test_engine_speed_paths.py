@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowyard.engine.attention import AttentionBatch, decode_attention, plan_decode
+from flowyard.engine.attention import AttentionBatch, PrefillSeq, decode_attention, paged_attention, plan_decode
 from flowyard.engine.model import PackedLinear
 from flowyard.engine.sampling import greedy_tokens
 
@@ -73,6 +73,25 @@ def test_grouped_decode_attention_matches_reference_within_rounding():
     ref = _reference(q, cache, tables, LENS)
     assert batch.decode_gather.order is None and len(batch.decode_gather.groups) == 1
     assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@torch.inference_mode()
+def test_equal_fresh_prompts_share_one_sdpa_call_bitwise():
+    lens = [24, 24, 24, 9, 24, 24]
+    g = torch.Generator().manual_seed(2)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, D, generator=g).bfloat16() for h in (H, KVH, KVH))
+    prefills, row = [], 0
+    for n in lens:
+        prefills.append(PrefillSeq(row, n, 0, torch.zeros(2, dtype=torch.long)))
+        row += n
+    batch = AttentionBatch(torch.arange(t), torch.empty(0), prefills, num_prefill_tokens=t)
+    got = paged_attention(q, k, v, torch.zeros(2, 8, BS, KVH, D).bfloat16(), batch)
+    for s in prefills:
+        r = slice(s.row, s.row + s.n)
+        ref = F.scaled_dot_product_attention(q[r].transpose(0, 1)[None], k[r].transpose(0, 1)[None],
+                                             v[r].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        assert torch.equal(got[r], ref[0].transpose(0, 1))
 
 
 def test_plan_without_padding_needs_no_mask():

@@ -4,7 +4,7 @@ The cache of one layer is a tensor (2, num_blocks, block_size, kv_heads, head_di
 at position p of a sequence lives in block block_table[p // block_size], slot p % block_size.
 New keys/values are scattered into their slots first; attention then reads each sequence's
 context through its block table. Prefill slices run one SDPA call each (fresh prompts use the
-just-computed K/V directly); decodes read all their blocks with one gather per layer and run
+just-computed K/V directly, adjacent ones of equal length batched in one call); decodes read all their blocks with one gather per layer and run
 batched SDPA calls over it: one call in `grouped` mode, one per group of sequences that round
 alike in `exact` mode (see DecodeGather).
 
@@ -163,27 +163,42 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
     return o
 
 
+def _prefill_runs(prefills: list[PrefillSeq]) -> list[tuple[PrefillSeq, int]]:
+    """(first, count): consecutive fresh prompts of equal length, adjacent in the batch, which
+    one SDPA call can take as a batch. SDPA's CPU kernel splits work by the query and key
+    lengths only, so each prompt's result is the same bits as in a call of its own."""
+    runs: list[tuple[PrefillSeq, int]] = []
+    for s in prefills:
+        if runs and s.start == 0:
+            first, count = runs[-1]
+            if first.start == 0 and first.n == s.n and first.row + count * first.n == s.row:
+                runs[-1] = (first, count + 1)
+                continue
+        runs.append((s, 1))
+    return runs
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
 ) -> torch.Tensor:
     """q: (T, heads, head_dim); k, v: this step's (T, kv_heads, head_dim). Returns (T, heads, hd)."""
     out = torch.empty_like(q) if batch.prefills else None
-    for s in batch.prefills:
-        rows = slice(s.row, s.row + s.n)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+    for s, count in _prefill_runs(batch.prefills):
+        rows = slice(s.row, s.row + count * s.n)
+        qs = q[rows].view(count, s.n, *q.shape[1:]).transpose(1, 2)  # (count, H, n, D)
         if s.start == 0:
-            ks, vs = k[rows], v[rows]
+            ks, vs = k[rows].view(count, s.n, *k.shape[1:]), v[rows].view(count, s.n, *v.shape[1:])
             mask, causal = None, True
         else:
             ctx = s.start + s.n
-            ks, vs = _gather(cache[0], s.block_table, ctx), _gather(cache[1], s.block_table, ctx)
+            ks, vs = _gather(cache[0], s.block_table, ctx)[None], _gather(cache[1], s.block_table, ctx)[None]
             qpos = torch.arange(s.start, ctx).unsqueeze(1)
             mask, causal = torch.arange(ctx).unsqueeze(0) <= qpos, False
         o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1).unsqueeze(0).to(q.dtype), vs.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            qs, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
             attn_mask=mask, is_causal=causal, enable_gqa=True,
         )
-        out[rows] = o.squeeze(0).transpose(0, 1)
+        out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     if batch.decode_block_tables is not None:
         start = batch.num_prefill_tokens
         o = decode_attention(q[start:], cache, batch)
