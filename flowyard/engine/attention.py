@@ -42,11 +42,12 @@ class DecodeGather:
     (0 / -inf) padding mask in the query dtype over the sorted rows, None when no group
     needs one. order: decode rows sorted by group, None when already in order.
 
-    Why groups: CPU SDPA sums a row's softmax denominator 16 lanes at a time with a fast
-    exp, then the tail of `keys % 16` scores one by one with std::exp. Padding a sequence
-    to a longer batch moves its tail into the vector part and changes its rounding, so
-    `exact` batches only sequences whose contexts share `len // 16` (for bfloat16; other
-    dtypes' GEMMs also depend on the length, so there only equal lengths share a call).
+    Why groups: CPU SDPA sums a row's softmax denominator SOFTMAX_LANES (16 with AVX-512)
+    at a time with a fast exp, then the tail of `keys % 16` scores one by one with std::exp.
+    Padding a sequence to a longer batch moves its tail into the vector part and changes its
+    rounding, so `exact` batches only sequences whose contexts share `len // 16` (bfloat16,
+    checked bitwise in tests/test_engine_speed_paths.py; in float32 the GEMMs depend on the
+    length as well, so only equal lengths share a call).
     """
 
     index: torch.Tensor
@@ -56,31 +57,42 @@ class DecodeGather:
     buf: torch.Tensor | None = None
 
 
+def _softmax_lanes() -> int:
+    """float32 lanes of the CPU SDPA kernel's vector loop (see DecodeGather); 1 if unknown."""
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
+
+
+SOFTMAX_LANES = _softmax_lanes()
+
+
 def plan_decode(tables: torch.Tensor, lens: torch.Tensor, num_blocks: int, dtype: torch.dtype,
                 exact: bool) -> DecodeGather:
     """Build the step's DecodeGather (see there) from padded block tables and context lengths."""
     lens_l = lens.tolist()
-    if exact:
-        key = [n // 16 for n in lens_l] if dtype == torch.bfloat16 else lens_l
-        rows = sorted(range(len(lens_l)), key=key.__getitem__)
+    n = len(lens_l)
+    if not exact:
+        keys = [0] * n
+    elif dtype == torch.bfloat16:
+        keys = [c // SOFTMAX_LANES for c in lens_l]
     else:
-        key, rows = [0] * len(lens_l), list(range(len(lens_l)))
-    order = None if rows == sorted(rows) else torch.tensor(rows)
-    if order is not None:
-        tables, lens_l = tables[order], [lens_l[r] for r in rows]
-        key = [key[r] for r in rows]
+        keys = lens_l
+    rows = sorted(range(n), key=keys.__getitem__)
+    order = None
+    if rows != list(range(n)):
+        order = torch.tensor(rows)
+        tables = tables[order]
+        lens_l, keys = [lens_l[r] for r in rows], [keys[r] for r in rows]
     groups, start = [], 0
-    for i in range(1, len(rows) + 1):
-        if i == len(rows) or key[rows[i]] != key[rows[start]] if order is None else i == len(rows) or key[i] != key[start]:
+    for i in range(1, n + 1):
+        if i == n or keys[i] != keys[start]:
             groups.append((start, i, max(lens_l[start:i])))
             start = i
     flat = tables.flatten()
     index = torch.cat([flat, flat + num_blocks])
     mask = None
-    if any(min(lens_l[a:b]) < n for a, b, n in groups):
-        width = max(n for _, _, n in groups)
-        keep = torch.arange(width).unsqueeze(0) < torch.tensor(lens_l).unsqueeze(1)
-        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).view(len(lens_l), 1, 1, -1)
+    if any(min(lens_l[lo:hi]) < width for lo, hi, width in groups):
+        keep = torch.arange(max(lens_l)).unsqueeze(0) < torch.tensor(lens_l).unsqueeze(1)
+        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).view(n, 1, 1, -1)
     return DecodeGather(index, groups, mask, order)
 
 

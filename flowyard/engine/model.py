@@ -39,14 +39,14 @@ class PackedLinear:
     runs the same kernels on the same blocking, so the bits are the same (checked for 1 to
     2,048 rows in tests/test_engine_speed_paths.py); the price is a second copy of the
     weights (about 270 MB for SmolLM2 in bfloat16). float32 is left alone: its F.linear goes
-    through MKL, which rounds differently from oneDNN. Entries are keyed by the weight tensor
-    itself, so `.to()` / `load_weights` (which clear the cache) never leave a stale copy.
+    through MKL, which rounds differently from oneDNN. An entry is used only for the very
+    weight tensor it was made from, at the same version (in-place loads bump it).
     """
 
     available = _mkldnn_bf16()
 
     def __init__(self) -> None:
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, packed)
 
     def clear(self) -> None:
         self._cache.clear()
@@ -54,11 +54,12 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
             return F.linear(x, weight, bias)
+        version = -1 if weight.is_inference() else weight._version  # inference tensors keep none
         hit = self._cache.get(id(weight))
-        if hit is None or hit[0] is not weight:
-            hit = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
+        if hit is None or hit[0] is not weight or hit[1] != version:
+            hit = (weight, version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
             self._cache[id(weight)] = hit
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), hit[1], bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), hit[2], bias, "none", [], "")
 
 
 class RotaryEmbedding(nn.Module):
@@ -206,9 +207,7 @@ class CausalLM(nn.Module):
             yield i, "o_proj"
             gate_up = linear(self._rms(residual, layer.post_norm), layer.gate_up.weight)
             gate, up = gate_up.chunk(2, dim=-1)
-            # A contiguous activation: oneDNN takes another, differently rounding kernel for a
-            # strided input (so no in-place SiLU on the gate half of gate_up).
-            act = F.silu(gate).mul_(up)
+            act = F.silu(gate).mul_(up)  # contiguous, as the linear wants; the product in place
             yield i, "gate_up_proj"
             residual = residual + self._down(act, layer.down.weight, per_row)
             yield i, "down_proj"
