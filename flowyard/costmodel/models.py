@@ -54,6 +54,14 @@ class ModelSpec:
         emb = self.vocab * self.hidden
         return self.layers * self.layer_params + emb * (1 if self.tied_embeddings else 2)
 
+    def flops(self, tokens: float, attn_pairs: float = 0.0, sampled: float = 0.0) -> float:
+        """Model FLOPs (the MFU numerator) of a forward pass over `tokens` tokens whose
+        attention scores `attn_pairs` query-key pairs, `sampled` rows going through lm_head:
+        2 FLOPs per weight per token, and 4 per head dimension per pair (QK^T and PV)."""
+        return (2.0 * self.layers * self.layer_params * tokens
+                + 4.0 * self.layers * self.q_dim * attn_pairs
+                + 2.0 * self.hidden * self.vocab * sampled)
+
     @property
     def weight_bytes(self) -> int:
         return self.num_params * self.bytes_per_param

@@ -113,6 +113,22 @@ class OracleLengthPredictor:
         pass
 
 
+class FixedLengthPredictor:
+    """One length for every request (plus the margin): DynaServe's sensitivity study (Table 4)
+    assumes a fixed 1467 tokens while the true lengths vary around it."""
+
+    def __init__(self, length: float, margin: int = 0) -> None:
+        if not length > 0:
+            raise ValueError(f"a fixed output length must be positive, got {length}")
+        self.length, self.margin = length, margin
+
+    def predict(self, req: Request) -> int:
+        return _cap(req, self.length + self.margin)
+
+    def observe(self, req: Request, output_tokens: int) -> None:
+        pass
+
+
 class NoisyLengthPredictor:
     """`base`'s prediction times factor · exp(sigma · z), z ~ N(0, 1) drawn from the request id
     (the same request gets the same error in every run and under every policy)."""
@@ -137,13 +153,16 @@ class NoisyLengthPredictor:
 
 def make_length_predictor(kind: str = "empirical", *, margin: int = 20, error: float = 1.0,
                           sigma: float = 0.0, prior_mean: float = 256.0, seed: int = 0) -> LengthPredictor:
-    """By name: "empirical" (default) or "oracle"; error/sigma != identity wraps it in noise."""
+    """By name: "empirical" (default), "oracle" or "fixed" (always `prior_mean`, plus the
+    margin); error/sigma != identity wraps it in noise."""
     if kind == "empirical":
         p: LengthPredictor = EmpiricalLengthPredictor(prior_mean=prior_mean, margin=margin)
     elif kind == "oracle":
         p = OracleLengthPredictor(margin=0)
+    elif kind == "fixed":
+        p = FixedLengthPredictor(prior_mean, margin=margin)
     else:
-        raise ValueError(f"unknown length predictor {kind!r}; valid: empirical, oracle")
+        raise ValueError(f"unknown length predictor {kind!r}; valid: empirical, oracle, fixed")
     if error != 1.0 or sigma > 0:
         p = NoisyLengthPredictor(p, factor=error, sigma=sigma, seed=seed)
     return p

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowyard.core.plan import StepPlan
+from flowyard.core.plan import BatchShape, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import LocalScheduler
 
@@ -15,7 +15,7 @@ class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
     __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
-                 "suspend_at", "timer_at")
+                 "suspend_at", "timer_at", "work", "shape", "shape_done")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -28,6 +28,55 @@ class SimInstance:
         self.bounds: np.ndarray | None = None  # operator end times of a preemptible plan
         self.suspend_at = -1  # operators done when a requested preemption takes effect
         self.timer_at: float | None = None  # when the scheduler asked to be woken (wake_at)
+        self.work = InstanceWork(kv_blocks=sched.kv.num_blocks)
+        self.shape: BatchShape | None = None  # of the run in flight, for `work`
+        self.shape_done = 0  # its steps already counted in `work`
+
+    def settle(self, now: float) -> None:
+        """Integrate the KV held since the last change of step (a launch or a completion)."""
+        w = self.work
+        w.kv_block_s += w._kv_used * (now - w._kv_t)
+        w._kv_t, w._kv_used = now, self.sched.kv.num_used_blocks
+
+    def launch(self, shape: BatchShape, now: float) -> None:
+        self.settle(now)
+        self.shape, self.shape_done = shape, 0
+
+    def account(self, steps: int) -> None:
+        """Add the work of the next `steps` steps of the run in flight (a decode run is
+        committed in pieces when snapshots are read in the middle of it)."""
+        shape, w = self.shape, self.work
+        if shape is None:
+            return
+        ctx, done = shape.decode_ctx, self.shape_done
+        w.steps += steps
+        w.prefill_tokens += float(shape.prefill_tokens) * steps
+        w.decode_tokens += float(shape.decode_seqs) * steps
+        w.attn_pairs += float(shape.prefill_attn) * steps + float(
+            np.sum(ctx[done:done + steps]) if np.ndim(ctx) else ctx * steps)
+        self.shape_done = done + steps
+
+
+@dataclass(slots=True)
+class InstanceWork:
+    """What one instance was given to do over a run, for utilisation reports (MFU, HBM use).
+
+    Counted when a step completes (a preempted step counts once, when it finally completes).
+    `kv_block_s` integrates the KV blocks held over time, sampled at every step launch and
+    completion."""
+
+    steps: int = 0
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+    attn_pairs: float = 0.0  # query-key pairs of attention (causal prefill pairs + decode contexts)
+    kv_block_s: float = 0.0
+    kv_blocks: int = 0  # the instance's KV capacity in blocks
+    _kv_t: float = 0.0
+    _kv_used: int = 0
+
+    def kv_usage(self, makespan: float) -> float:
+        """Mean share of the KV cache in use over `makespan` seconds."""
+        return self.kv_block_s / (self.kv_blocks * makespan) if self.kv_blocks and makespan > 0 else 0.0
 
 
 @dataclass
@@ -40,6 +89,7 @@ class SimResult:
     instance_busy_s: list[float] = field(default_factory=list)
     # FlowPrefill: seconds from each preemption signal to the operator boundary that acked it
     preemption_blocking: list[float] = field(default_factory=list)
+    instance_work: list[InstanceWork] = field(default_factory=list)
 
     @property
     def completed(self) -> list[RequestState]:

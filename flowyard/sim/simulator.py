@@ -128,6 +128,7 @@ class Simulator:
         if 0 < done < len(ends):
             inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
             inst.ends = ends[done:]
+            inst.account(done)
             self.steps += done
 
     # -- event plumbing ------------------------------------------------------------------
@@ -171,6 +172,7 @@ class Simulator:
             states=states, sim_time=self.now, wall_s=time.perf_counter() - start,
             events=events, steps=self.steps, instance_busy_s=[i.busy_s for i in self.instances],
             preemption_blocking=self.preemption_blocking,
+            instance_work=[i.work for i in self.instances],
         )
 
     def _send(self, due: Due) -> None:
@@ -237,9 +239,11 @@ class Simulator:
             self._kick(inst)
             return
         self.steps += steps
+        inst.account(steps)
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
+        inst.settle(self.now)
         if self._splitting and self.chunked_kv:
             self._push_chunks(inst.id, ends)
         for st in result.finished:
@@ -364,17 +368,19 @@ class Simulator:
             k = min(k, min(d.remaining_output for d in plan.decodes))
             if k < plan.max_repeats:
                 inst.sched.shorten(plan, k)
+        shape = plan.shape(k)
         if plan.preempt_stride:  # operator timeline, so a preemption can stop at a boundary
-            rel = self.cost.op_boundaries(plan.shape())
+            rel = self.cost.op_boundaries(shape)
             start = self.now - (float(rel[plan.ops_done - 1]) if plan.ops_done else 0.0)
             inst.bounds = start + rel
             ends = inst.bounds[-1:]
         elif k > 1:  # same additions, in the same order, as stepping one at a time
-            durations = self.cost.step_time(plan.shape(k))
+            durations = self.cost.step_time(shape)
             ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
         else:
-            ends = np.array([self.now + float(self.cost.step_time(plan.shape(k)))])
+            ends = np.array([self.now + float(self.cost.step_time(shape))])
         inst.plan, inst.ends = plan, ends
+        inst.launch(shape, self.now)
         inst.version += 1
         inst.busy_s += float(ends[-1] - self.now)
         self._push(float(ends[-1]), STEP, (inst, inst.version))

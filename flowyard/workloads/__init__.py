@@ -46,6 +46,7 @@ from flowyard.workloads.multitask import (
     task_length_dist,
     task_slos,
 )
+from flowyard.workloads.synthetic import fixed_shape, from_lengths, mix, reasoning_like, resample
 from flowyard.workloads.transforms import (
     assign_tasks,
     clip,
@@ -68,4 +69,5 @@ __all__ = [
     "trace_file", "with_slo",
     "QWENTRACE_TASKS", "QWENTRACE_TTFT_SLO", "ShiftedWeibull", "TaskStats", "fit_shifted_weibull",
     "qwentrace_like", "sample_prompt_lens", "scale_slo", "task_length_dist", "task_slos",
+    "fixed_shape", "from_lengths", "mix", "reasoning_like", "resample",
 ]

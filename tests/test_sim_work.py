@@ -1,0 +1,65 @@
+"""Per-instance work accounting of the simulator (MFU and HBM-use reports) and the
+length-sample workloads that DynaServe's evaluation is built from."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from flowyard.costmodel import make_cost_model
+from flowyard.costmodel.models import get_model
+from flowyard.policies.dynaserve_predict import make_length_predictor
+from flowyard.core.request import Request
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.sim.run import SimConfig, build_topology
+from flowyard.sim.simulator import Simulator
+from flowyard.workloads import fixed_shape, load_trace, mix, reasoning_like, resample
+
+COST = make_cost_model("qwen2.5-14b", "a100-80g", tp=1)
+TOPO = build_topology(SimConfig(model="qwen2.5-14b", hardware="a100-80g", instances=2))
+
+
+@settings(max_examples=8, deadline=None)
+@given(policy=st.sampled_from(["vllm", "distserve", "dynaserve"]), seed=st.integers(0, 1000),
+       rate=st.floats(0.5, 8.0))
+def test_work_adds_up_to_the_requests(policy, seed, rate):
+    w = resample(load_trace("burstgpt"), 40, rate=rate, seed=seed)
+    opts = PolicyOptions(num_instances=2, num_prefill=1, predictor=COST)
+    res = Simulator(w.requests, build_policy(policy, opts), COST, TOPO, prefix_caching=False).run()
+    work = res.instance_work
+    assert sum(x.prefill_tokens for x in work) == pytest.approx(sum(r.prompt_len for r in w.requests))
+    # every output token after the first comes from one decode step (the first from the prefill)
+    assert sum(x.decode_tokens for x in work) == pytest.approx(sum(r.target_output - 1 for r in w.requests))
+    makespan = res.sim_time
+    for x in work:
+        assert 0.0 <= x.kv_usage(makespan) <= 1.0
+    assert sum(x.kv_block_s for x in work) > 0
+
+
+def test_model_flops_is_two_per_weight_per_token():
+    m = get_model("qwen2.5-14b")
+    assert m.flops(1) == 2 * m.layers * m.layer_params
+    assert m.flops(0, attn_pairs=10) == 40 * m.layers * m.q_dim
+
+
+def test_fixed_length_predictor_ignores_the_truth():
+    p = make_length_predictor("fixed", prior_mean=1467, margin=0)
+    r = Request(id=0, arrival=0.0, prompt_len=219, output_len=1300)
+    assert p.predict(r) == 1467
+    with pytest.raises(ValueError, match="fixed"):
+        make_length_predictor("fixed", prior_mean=0)
+
+
+def test_synthetic_workloads_have_the_asked_shape():
+    w = fixed_shape(219, 1467, 400, rate=2.0, output_std=50, seed=1)
+    assert {r.prompt_len for r in w} == {219}
+    assert abs(w.output_lens().mean() - 1467) < 10 and 35 < w.output_lens().std() < 65
+    r = reasoning_like(2000, rate=1.0)
+    assert abs(r.prompt_lens().mean() - 219) < 20 and abs(r.output_lens().mean() - 1467) < 80
+    m = mix([load_trace("burstgpt"), load_trace("azure-code")], 600, rate=3.0)
+    tasks = [q.task for q in m]
+    assert 0.4 < tasks.count("burstgpt") / len(tasks) < 0.6
+    assert np.all(np.diff(m.arrivals()) >= 0) and abs(m.rate - 3.0) < 0.6
+    with pytest.raises(ValueError, match="rate"):
+        fixed_shape(10, 10, 5, rate=0)
+    with pytest.raises(ValueError, match="at least one"):
+        resample(load_trace("burstgpt"), 0, rate=1)
