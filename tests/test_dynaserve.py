@@ -314,3 +314,17 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
     assert got == ref and c.migrations == 1
     assert not any(e.kv.leaked() for e in c.engines)
     assert len(c.engines[0].scheduler.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens
+
+
+def test_prefill_budget_accounts_for_the_chunk_history():
+    """A later chunk of a long prompt attends to every earlier token: its budget must be
+    smaller than a first chunk's, or the step runs over the TBT SLO (bug: budgets ignored it)."""
+    from flowyard.costmodel import make_cost_model
+    from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
+
+    cost = make_cost_model("qwen2.5-14b", "a100-80g")
+    table = ProfileTable(cost, LocalConfig())
+    fresh, late = table.budget(32, 700.0), table.budget(32, 700.0, history=6000)
+    assert 0 < late < fresh
+    limit = 0.1 * 0.9
+    assert table.predict(late, 768.0, 32, history=6144) <= limit

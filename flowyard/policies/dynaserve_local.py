@@ -84,25 +84,29 @@ class ProfileTable:
         return (_bucket(n), _bucket(ctx), _bucket(prefill))
 
     @staticmethod
-    def shape(prefill: int, ctx: float, n: int) -> BatchShape:
+    def shape(prefill: int, ctx: float, n: int, history: int = 0) -> BatchShape:
         return BatchShape(prefill_tokens=prefill, prefill_seqs=1 if prefill else 0,
-                          prefill_attn=prefill * (prefill + 1) / 2, prefill_kv=prefill,
+                          prefill_attn=prefill * (history + (prefill + 1) / 2), prefill_kv=history + prefill,
                           decode_seqs=n, decode_ctx=ctx * n)
 
-    def model_time(self, prefill: int, ctx: float, n: int) -> float:
-        """The cost model's time (cold start) for this composition."""
-        return float(self.cost.step_time(self.shape(prefill, ctx, n)))
+    def model_time(self, prefill: int, ctx: float, n: int, history: int = 0) -> float:
+        """The cost model's time (cold start) for this composition; `history` tokens of the
+        prompt already computed (a later chunk attends to them all)."""
+        return float(self.cost.step_time(self.shape(prefill, ctx, n, history)))
 
-    def predict(self, prefill: int, ctx: float, n: int) -> float:
+    def predict(self, prefill: int, ctx: float, n: int, history: int = 0) -> float:
         r = self._used.get(self._key(prefill, ctx, n), self._global_used)
-        return self.model_time(prefill, ctx, n) * r
+        return self.model_time(prefill, ctx, n, history) * r
 
     def _round(self, r: float) -> float:
         return float(np.exp(round(np.log(r) / self.QUANTUM) * self.QUANTUM))
 
-    def record(self, prefill: int, ctx: float, n: int, seconds: float) -> None:
-        """One executed step with prefill: its composition and measured time."""
-        predicted = self.model_time(prefill, ctx, n)
+    def record(self, prefill: int, ctx: float, n: int, seconds: float,
+               predicted: float | None = None) -> None:
+        """One executed step with prefill: its composition, measured time and (if known) the
+        cost model's time for its exact shape (chunk histories included)."""
+        if predicted is None:
+            predicted = self.model_time(prefill, ctx, n)
         if prefill <= 0 or not predicted > 0 or not seconds > 0:
             return
         a, x = self.cfg.alpha, seconds / predicted
@@ -116,24 +120,26 @@ class ProfileTable:
             self._used[key], self._global_used = used, glob
             self._budget.clear()
 
-    def budget(self, n: int, ctx: float) -> int:
+    def budget(self, n: int, ctx: float, history: int = 0) -> int:
         """Largest prefill tokens (grid point, then bisection between grid points) whose
-        predicted step with n decodes at mean context ctx (rounded up to 64 tokens) stays
-        within the SLO."""
-        key = (n, int(ctx) >> 6)
+        predicted step with n decodes at mean context ctx (rounded up to 64 tokens), on a
+        prompt with `history` tokens already computed (rounded up to 512), stays within the
+        SLO. Without the history, later chunks of long prompts run over it."""
+        key = (n, int(ctx) >> 6, int(history) >> 9)
         hit = self._budget.get(key)
         if hit is not None:
             return hit
         ctx = float((key[1] + 1) << 6)  # the top of its 64-token bucket: cached budgets are exact
+        history = (key[2] + 1) << 9 if history > 0 else 0
         limit = self.cfg.tbt_slo * self.cfg.headroom
         ok = 0
         grid = [g for g in PREFILL_GRID if g <= self.cfg.max_prefill]
         for g in grid[1:]:
-            if self.predict(g, ctx, n) > limit:
+            if self.predict(g, ctx, n, history) > limit:
                 lo, hi = ok, g  # ok fits, g does not
                 while hi - lo > 8:
                     mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if self.predict(mid, ctx, n) <= limit else (lo, mid)
+                    lo, hi = (mid, hi) if self.predict(mid, ctx, n, history) <= limit else (lo, mid)
                 ok = lo
                 break
             ok = g
@@ -155,7 +161,7 @@ class DynaServeLocalScheduler(BatchScheduler):
         self.profile = ProfileTable(cost, local)
         self.on_finish = on_finish  # finished requests' output lengths: the length predictor
         self.budgets: list[int] = []  # prefill budget of each step (tests, reports)
-        self._composed: tuple[int, float, int, float] | None = None
+        self._composed: tuple[int, float, int, float, float] | None = None
         self._since: dict[int, float] = {}  # migration id -> when it asked to come here
         self.recomputed = 0  # migrations taken without their KV (deadlock breaker)
 
@@ -163,7 +169,8 @@ class DynaServeLocalScheduler(BatchScheduler):
         ready = [r for r in self.running if r.status is Status.RUNNING and not r.in_prefill]
         n = len(ready)
         ctx = sum(r.num_computed + 1 for r in ready) / n if n else 0.0
-        budget = max(self.local.min_prefill, self.profile.budget(n, ctx))
+        history = max((r.num_computed for r in self.running if r.in_prefill), default=0)
+        budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
         self.config = dataclasses.replace(self.base_config, max_num_batched_tokens=n + budget)
         plan = super().schedule(now)
         if plan is not None:
@@ -171,7 +178,7 @@ class DynaServeLocalScheduler(BatchScheduler):
             shape = plan.shape()
             dn = shape.decode_seqs
             mean = float(shape.decode_ctx) / dn if dn else 0.0
-            self._composed = (int(shape.prefill_tokens), mean, dn, now)
+            self._composed = (int(shape.prefill_tokens), mean, dn, now, float(self.profile.cost.step_time(shape)))
         return plan
 
     def add_migration(self, state: RequestState, now: float) -> None:
@@ -210,8 +217,8 @@ class DynaServeLocalScheduler(BatchScheduler):
     def _measure(self, out: StepOutput) -> None:
         """Record the first executed step of the plan in the profile table."""
         if self._composed is not None and len(out.end_times):
-            pf, ctx, n, start = self._composed
-            self.profile.record(pf, ctx, n, float(out.end_times[0]) - start)
+            pf, ctx, n, start, model = self._composed
+            self.profile.record(pf, ctx, n, float(out.end_times[0]) - start, model)
         self._composed = None
 
     def advance(self, plan: StepPlan, out: StepOutput) -> None:
