@@ -52,13 +52,13 @@ class ElasticPools:
     of: dict[int, Pool] = field(default_factory=dict)
     home: dict[int, Pool] = field(default_factory=dict)  # pool in the initial split
     moves: list[tuple[float, int, Pool, Pool]] = field(default_factory=list)  # (t, inst, from, to)
+    flipped_at: dict[int, float] = field(default_factory=dict)  # last flip (not settle) of each
 
     @classmethod
     def split(cls, ids: Sequence[int], num_prefill: int) -> "ElasticPools":
         """The initial static split: the first `num_prefill` instances in P, the rest in D."""
         of = {i: (Pool.P if k < num_prefill else Pool.D) for k, i in enumerate(ids)}
         return cls(of, dict(of))
-
 
     def members(self, *pools: Pool) -> list[int]:
         return sorted(i for i, p in self.of.items() if p in pools)
@@ -69,13 +69,22 @@ class ElasticPools:
             self.of[i] = to
             self.moves.append((now, i, frm, to))
 
+    def _flip(self, i: int, to: Pool, now: float) -> Pool:
+        if self.of[i] is not to:
+            self.flipped_at[i] = now
+        self._set(i, to, now)
+        return to
+
     def flip_to_decode(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
-        self._set(i, Pool.P2D if has_prefill_work(snap) else Pool.D, now)
-        return self.of[i]
+        return self._flip(i, Pool.P2D if has_prefill_work(snap) else Pool.D, now)
 
     def flip_to_prefill(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
-        self._set(i, Pool.D2P if has_decode_work(snap) else Pool.P, now)
-        return self.of[i]
+        return self._flip(i, Pool.D2P if has_decode_work(snap) else Pool.P, now)
+
+    def since_flip(self, i: int, now: float) -> float:
+        """Seconds since instance i was last flipped (inf if never); settling does not count."""
+        t = self.flipped_at.get(i)
+        return float("inf") if t is None else now - t
 
     def settle(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
         """Leave a transitional pool once the old kind of work has drained (black edges)."""
