@@ -13,9 +13,12 @@ is its pool (`arrow_pools.ElasticPools`): P, D, P→D or D→P. The global sched
   itself if it has meanwhile been flipped to D or P→D (no KV move), else the D (then P→D)
   instance with the fewest running tokens if it stays under Max Running Tokens and its token
   interval under the TPOT threshold, else flips a prefill instance to decode (Alg. 4);
-- runs the instance monitor every `period`: the average token interval of decoding instances
-  over the TPOT threshold for `monitor_periods` ticks in a row flips a prefill instance to
-  decode; an idle prefill instance flips to decode while decode is busy.
+- runs the instance monitor every `period` (`arrow_monitor`): the average token interval of
+  decoding instances over the TPOT threshold for `monitor_periods` ticks in a row flips a
+  prefill instance to decode; an idle prefill instance flips to decode while decode is busy;
+  and (ours, `unstrand`) a P→D instance whose queued prompts would miss the TTFT threshold
+  flips back towards prefill when decode can spare it; the monitor does not touch an instance
+  flipped less than `flip_cooldown` ago (no P→D→P cycle every tick).
 
 Overload rule (§5.5): flipping towards prefill requires low decode load; flipping towards decode
 checks nothing, so under overload instances drift to decode and admitted requests finish.
@@ -37,6 +40,7 @@ from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
                                            max_running_tokens)
+from flowyard.policies.arrow_monitor import InstanceMonitor
 from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot
 
 MODES = ("slo", "minload", "rr")
@@ -57,17 +61,21 @@ class ArrowConfig:
     mean_context: int = 1024  # decode batch assumed to hold T / mean_context sequences (MRT)
     kv_headroom: float = 0.9  # share of KV capacity Max Running Tokens may fill
     max_profile_len: int = 131_072  # longest prompt the TTFT predictor is fitted on
+    unstrand: bool = True  # the monitor flips P→D instances holding stranded prompts back (ours)
+    flip_cooldown: float = 1.0  # s (2 periods): the monitor leaves instances flipped this recently
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"arrow mode must be one of {MODES}, got {self.mode!r}")
         if not (self.period > 0 and self.ttft_slo > 0 and self.tpot_slo > 0 and self.monitor_periods >= 1):
             raise ValueError("period, SLO thresholds and monitor_periods must be positive")
+        if self.flip_cooldown < 0:
+            raise ValueError("flip_cooldown must be >= 0")
         if not 0 <= self.decode_low <= self.decode_busy:
             raise ValueError("need 0 <= decode_low <= decode_busy")
 
 
-class ArrowRouter(GlobalScheduler):
+class ArrowRouter(InstanceMonitor, GlobalScheduler):
     routes_decode = True
 
     def __init__(self, predictor: CostModel, config: ArrowConfig | None = None, name: str = "arrow") -> None:
@@ -81,6 +89,7 @@ class ArrowRouter(GlobalScheduler):
         self._mrt: dict[float, int] = {}
         self.pools: ElasticPools | None = None
         self._tpot = c.tpot_slo  # TPOT threshold of the monitor: the latest request's
+        self._ttft = c.ttft_slo  # TTFT threshold of the monitor: the latest request's
         self._over = 0  # consecutive ticks with decode token interval over the threshold
         self._start: float | None = None
         self._last_tick: float | None = None
@@ -167,6 +176,8 @@ class ArrowRouter(GlobalScheduler):
         pools = self._refresh(view, now)
         if req.slo.tpot is not None:
             self._tpot = req.slo.tpot
+        if req.slo.ttft is not None:
+            self._ttft = req.slo.ttft
         if self.cfg.mode == "rr":
             return self._round_robin(pools.members(*PREFILL_SIDE), 0)
         delay = {i: self.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE)}
@@ -215,24 +226,6 @@ class ArrowRouter(GlobalScheduler):
             return t3
         cands = [t for t in (t1, t2) if t is not None]
         return min(cands, key=lambda t: (tokens[t], t)) if cands else src
-
-    # -- instance monitor ------------------------------------------------------------------
-    def tick(self, view: ClusterView, now: float) -> None:
-        """Monitor-triggered flips towards decode (§5.5 cases 2 and 3)."""
-        self._last_tick = now
-        pools = self._refresh(view, now)
-        side = [view.snapshot(i) for i in pools.members(*DECODE_SIDE)]
-        decoding = [s for s in side if s.num_decoding]
-        avg = sum(s.token_interval for s in decoding) / len(decoding) if decoding else 0.0
-        self._over = self._over + 1 if avg > self._tpot else 0
-        if self._over >= self.cfg.monitor_periods:
-            if self.try_move_prefill_to_decode(view, now) is not None:
-                self._over = 0
-            return
-        if side and self.decode_load(side, self._tpot) >= self.cfg.decode_busy:
-            idle = [i for i in pools.members(Pool.P) if view.snapshot(i).num_requests == 0]
-            if idle:
-                self.try_move_prefill_to_decode(view, now, only=idle)
 
 
 def _load(s: InstanceSnapshot) -> int:
