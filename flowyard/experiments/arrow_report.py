@@ -265,11 +265,12 @@ def _differences(res: Results) -> str:
                "monitor and nothing flips towards decode. Traced on Mooncake: with the D instances' KV full, "
                "decodes go to P→D instances that still hold long queued prompts, and every step there carries "
                "a 2048-token chunk over a long history.")
-    out.append("- **Also in the policy: no way back to prefill without arrivals.** Alg. 1, the only path from "
-               "decode to prefill, runs on arrivals, while Alg. 2 and the monitor move instances to decode "
-               "(the overload rule). Under overload Arrow can end with one or two P instances holding all queued "
-               "prompts (queued prefills are never re-dispatched) and, once arrivals stop, drains them there "
-               "while D instances idle: the far right of the P90 TTFT panels.")
+    out.append("- **Also in the policy: queued prompts stay where they were sent.** Alg. 1, the paper's only "
+               "path from decode to prefill, runs on arrivals, while Alg. 2 and the monitor move instances to "
+               "decode (the overload rule). Our monitor flips P→D instances holding stranded prompts back, but "
+               "queued prefills are never re-dispatched: under overload Arrow can end with one or two P "
+               "instances holding all queued prompts and, once arrivals stop, drains them there while D "
+               "instances idle: the far right of the P90 TTFT panels.")
     if "burstgpt" in by:
         from flowyard.experiments.arrow import window
 
