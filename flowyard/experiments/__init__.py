@@ -18,6 +18,7 @@ EXPERIMENTS: dict[str, str] = {
     "flowprefill": "flowyard.experiments.flowprefill",
     "pla-serve": "flowyard.experiments.pla_serve",
     "arrow": "flowyard.experiments.arrow",
+    "dynaserve": "flowyard.experiments.dynaserve",
 }
 
 DEFAULT_OUT = "docs/results"

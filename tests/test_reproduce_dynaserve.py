@@ -1,0 +1,68 @@
+"""`flowyard reproduce dynaserve`: the report, figures and raw results on tiny settings, the
+metrics of one simulation, and the direction of the paper's Table 1."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from flowyard.experiments import EXPERIMENTS
+from flowyard.experiments.dynaserve import QUICK, SYSTEMS, WORKLOADS, run_experiments, workload_maker
+from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, Cluster
+from flowyard.experiments.dynaserve_report import write_report
+
+TINY = dataclasses.replace(QUICK, duration=8.0, min_n=12, max_n=40, grid=(2.0,), tol=0.6, sigmas=(0, 50))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    res = run_experiments(TINY, seed=0)
+    return res, write_report(res, out, command="test"), out
+
+
+def test_report_figures_and_results(tiny):
+    res, md_path, out = tiny
+    md = md_path.read_text(encoding="utf-8")
+    for section in ("Table 1", "Fig. 8", "Fig. 9", "Table 2", "Table 4", "Chunked KV", "Why ours differ"):
+        assert f"## {section}" in md
+    for png in ("fig8_goodput.png", "fig9_capacity.png"):
+        assert (out / "dynaserve" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(dynaserve/{png})" in md
+    data = json.loads((out / "dynaserve" / "results.json").read_text())
+    assert set(data["table1"]) == {"P8192/D32", "P2048/D512", "P219/D1467"}
+    assert set(data["capacity"]["Qwen2.5-14B"]) == set(WORKLOADS)
+    assert set(data["hybrid"]) == set(SYSTEMS) and set(data["sensitivity"]["points"]) == {"0", "50"}
+    assert EXPERIMENTS["dynaserve"] == "flowyard.experiments.dynaserve"
+
+
+def test_table1_direction_long_prompts(tiny):
+    """P8192/D32: colocation's 2048-token chunks break the 100 ms TBT SLO, disaggregation holds
+    it but leaves the decode GPU nearly idle (Table 1's point)."""
+    t = tiny[0].table1["P8192/D32"]
+    assert t[COLOC].tbt_p99 > 0.2 and t[DISAGG].tbt_p99 < 0.1
+    assert t[DISAGG].mfu[1] < 0.05 < t[DISAGG].mfu[0]
+    assert t[DYNA].tbt_p99 <= 0.1 + 1e-9
+
+
+def test_one_point_metrics_are_consistent():
+    cl = Cluster("qwen2.5-14b", 1)
+    make = workload_maker("burstgpt", TINY, seed=1)
+    p = cl.point(DYNA, "burstgpt", 2.0, make)
+    assert p is cl.point(DYNA, "burstgpt", 2.0, make)  # memoised
+    assert 0 <= p.token_attainment <= 1 and 0 <= p.request_attainment <= 1
+    assert p.goodput_tps <= p.out_tps + 1e-9 and p.tbt_p50 <= p.tbt_p99
+    assert len(p.mfu) == len(p.hbm) == 2 and all(0 < m < 1 for m in p.mfu)
+    assert p.capacity_score >= 1.0 or not p.sustainable
+    assert not math.isnan(p.delay_p50)
+
+
+def test_workload_keys():
+    s = TINY
+    assert len(workload_maker("P219/D1467~50", s, 0)(1.0)) == 12  # min_n
+    assert len(workload_maker("hybrid", s, 0)(100.0)) == 40  # max_n
+    w = workload_maker("P2048/D512", s, 0)(2.0)
+    assert {r.prompt_len for r in w} == {2048} and {r.target_output for r in w} == {512}
