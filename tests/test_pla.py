@@ -159,3 +159,17 @@ def test_a_turn_routed_away_from_its_history_is_long():
     r = RequestState(req(0, 0.0, 4000, history=3960))  # its history is cached elsewhere
     s.add_request(r, 0.0)
     assert 0 not in s.short and list(s.long) == [r]
+
+
+def test_a_short_prompt_that_cannot_get_kv_lets_the_long_prompt_holding_it_go_on():
+    """Regression: with a tight short slack the long chunk was held back while the short prompt
+    waited for KV that only the long prompt's end would free: nothing ever ran."""
+    s = PLAPrefillScheduler(0, Role.PREFILL, KVCacheManager(300, 16), PLAConfig(boundary=1000),
+                            COST, LENGTHS)
+    long_ = RequestState(req(0, 0.0, 4000, ttft=30.0))  # reserves 250 of the 300 blocks
+    s.add_request(long_, 0.0)
+    plan = s.schedule(0.0)
+    s.update_from_output(plan, StepOutput(end_times=np.array([0.1])))
+    s.add_request(RequestState(req(1, 0.1, 900, ttft=0.05)), 0.1)  # short (< 1000), needs 57 blocks
+    plan = s.schedule(0.1)
+    assert plan is not None and [p.state.id for p in plan.prefills] == [0]

@@ -147,6 +147,8 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
                 plan = self._short_batch(now)
                 if plan is not None:
                     return plan
+                if self.long:  # no short prompt fits now: work that may hold the KV goes on
+                    return self._long_chunk()
             if self.long and (slack is None or self._long_time() <= slack - self.config.awd.sigma):
                 return self._long_chunk()
             return None
