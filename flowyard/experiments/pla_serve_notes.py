@@ -124,8 +124,9 @@ def issues(res: Results) -> str:
         "2. **Short/long was decided on the declared history, not on what is cached** (fixed in cdb2769). A "
         "follow-up turn counted as short on an instance that did not hold its history, and then ran its whole "
         "uncached prompt through the short path. A prefill instance now classifies a turn by `peek_prefix`, "
-        "what its own cache holds. The router still routes by the declared history: session-affine routing, "
-        "sending a conversation back to the instance holding its prefix, is not done.",
+        "what its own cache holds. The router now sends a later turn back to the instance holding its history "
+        "and classifies it by the tokens it computes there (session-affine routing, "
+        "`PLAConfig.affinity_tolerance`).",
         "3. **Padding is not priced.** AWD pads to the nearest captured shape whenever one holds the batch; with long "
         "histories the padded rows' attention makes the replay as slow as the eager step (see above). Checking the "
         "predicted time of both before padding would avoid it.",

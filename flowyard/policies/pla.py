@@ -44,18 +44,29 @@ class PLAConfig:
     spatial: bool = False  # short and long pools across prefill instances (policy pla-spatial)
     boundary: int | None = None  # L_m override (tokens); None: fitted from the predictor
     max_num_seqs: int = 256
+    # Session-affine routing (pla_router): a later turn goes back to the prefill instance that
+    # holds its history unless its predicted wait + fill there exceeds the best alternative's
+    # by more than this many seconds; None routes every turn by load alone.
+    affinity_tolerance: float | None = 0.05
 
     def __post_init__(self) -> None:
         if self.long_chunk < 1 or self.max_num_seqs < 1:
             raise ValueError("long_chunk and max_num_seqs must be positive")
+        if self.affinity_tolerance is not None and not self.affinity_tolerance >= 0:
+            raise ValueError("affinity_tolerance must be >= 0 seconds (or None: no affinity)")
 
 
 def is_short(r: Request, lengths: LengthModel, boundary: int | None = None) -> bool:
     """Short when the new tokens (prompt minus cached history) are below L_m at its history."""
-    new = max(1, r.prompt_len - r.history_len)
+    return fill_is_short(r.prompt_len - r.history_len, r.history_len, lengths, boundary)
+
+
+def fill_is_short(new: int, history: int, lengths: LengthModel, boundary: int | None = None) -> bool:
+    """Short when a fill of `new` tokens over `history` cached ones is below L_m(history)."""
+    new = max(1, new)
     if boundary is not None:
         return new < boundary
-    return classify(new, r.history_len, lengths) == "short"
+    return classify(new, history, lengths) == "short"
 
 
 def length_model_of(predictor: CostModel) -> LengthModel:

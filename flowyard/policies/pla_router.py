@@ -15,6 +15,20 @@ cool-down, moves one instance from the calmer pool to the pressed one when
 P_s > (1 + τ)·P_l (or the reverse), never leaving a pool below n_min. Instances keep serving
 what is already in their queues; only new requests follow the new pools.
 
+Session affinity (on unless `PLAConfig.affinity_tolerance` is None): a later turn of a
+conversation re-prefills on its cached history only on the instance that holds it, so the
+router remembers where each session's last turn went and how much of the prompt it left
+there. A re-prefill is classified by the tokens it would really compute at home (L = prompt -
+cached, short when L < L_m^re-prefill(H = cached), §2.1). The alternative, the least-loaded
+instance of the pool of the whole uncached prompt, is where the turn goes without its cache.
+The turn goes home when home is in either of those two pools (a short re-prefill whose
+history sits in the long pool stays there: elsewhere it would be a long recompute in the long
+pool anyway, and its instance serves it through Q_s), unless home is clearly worse: its
+predicted backlog plus the cached fill exceeds the alternative's backlog plus the full fill
+by more than the tolerance. Only the earlier turns' prompts count as cached (a PD prefill
+instance never sees the replies, which decode elsewhere); the instance itself still
+classifies by what its cache really holds.
+
 Our reading of u: the paper calls it GPU utilisation, but with ψ falling as u rises a busy
 pool would look calmer than an idle one and the controller would move instances towards the
 idle pool (we saw it oscillate that way). Read as spare capacity (1 − busy share), −γu makes
@@ -23,7 +37,8 @@ an idle pool give up an instance first, which is what the surrounding text descr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -61,13 +76,25 @@ class Pools:
     moves: list[tuple[float, int, str]] = field(default_factory=list)  # (time, instance, to pool)
 
 
+MAX_SESSIONS = 1 << 17  # sessions whose home the router remembers (least recent forgotten)
+
+
+def _entry(view: ClusterView) -> list[int]:
+    """Instances a new request may start on: the prefill instances, or all of them in mix mode."""
+    return list(view.instances(Role.PREFILL)) or list(view.instances(Role.MIXED))
+
+
 class PLARouter(DistServeDispatch):
     name = "pla"
 
     def __init__(self, lengths: LengthModel, predictor: CostModel,
                  controller: ControllerConfig | None = None, spatial: bool = True,
-                 boundary: int | None = None) -> None:
+                 boundary: int | None = None, affinity: float | None = None) -> None:
         self.lengths, self.boundary = lengths, boundary
+        self.predictor, self.affinity = predictor, affinity
+        # session -> (instance its last turn went to, prompt tokens that turn left there)
+        self.homes: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.sent_home = self.sent_away = 0  # re-prefills with a known home: where they went
         self.controller = controller or ControllerConfig()
         self.spatial = spatial
         self.period = self.controller.period if spatial else None
@@ -78,17 +105,56 @@ class PLARouter(DistServeDispatch):
         self._last_tick: float | None = None
 
     def _init_pools(self, view: ClusterView) -> Pools:
-        ids = list(view.instances(Role.PREFILL))
+        ids = _entry(view)
         n_s = min(len(ids) - 1, max(1, round(len(ids) * self.controller.short_share))) if len(ids) > 1 else 0
         self.pools = Pools(short=ids[:n_s], long=ids[n_s:])
         return self.pools
 
-    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+    def _pool(self, short: bool, view: ClusterView) -> list[int]:
         pools = self.pools or self._init_pools(view)
-        ids = list(view.instances(Role.PREFILL))
         if self.spatial and pools.short and pools.long:
-            ids = pools.short if is_short(req, self.lengths, self.boundary) else pools.long
-        return min(ids, key=lambda i: (view.snapshot(i).waiting_tokens, i))
+            return pools.short if short else pools.long
+        return _entry(view)
+
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        if self.affinity is None or req.session is None:  # by the declared history
+            ids = self._pool(is_short(req, self.lengths, self.boundary), view)
+            return min(ids, key=lambda i: (view.snapshot(i).waiting_tokens, i))
+        pick = self._route_turn(req, view)
+        self.homes[req.session] = (pick, req.prompt_len)
+        self.homes.move_to_end(req.session)
+        if len(self.homes) > MAX_SESSIONS:
+            self.homes.popitem(last=False)
+        return pick
+
+    def _route_turn(self, req: Request, view: ClusterView) -> int:
+        """A turn of a session: home if it holds the history, sits in a pool this turn may go
+        to and is not clearly worse; else the least-loaded instance of the pool of the whole
+        (uncached) prompt."""
+        cold = self._pool(is_short(replace(req, history_len=0), self.lengths, self.boundary), view)
+        alt = min(cold, key=lambda i: (view.snapshot(i).waiting_tokens, i))
+        home = self.homes.get(req.session) if req.session is not None and req.history_len else None
+        if home is None or home[0] not in _entry(view):
+            return alt
+        inst, held = home
+        snap = view.snapshot(inst)
+        cached = min(held, req.history_len, req.prompt_len - 1) // snap.block_size * snap.block_size
+        if cached <= 0:
+            return alt
+        if inst != alt:
+            warm = self._pool(is_short(replace(req, history_len=cached), self.lengths, self.boundary), view)
+            if inst not in warm and inst not in cold:
+                self.sent_away += 1  # home has moved to a pool serving neither fill
+                return alt
+            t_home = snap.waiting_tokens * self._per_token + self.predictor.prefill_time(
+                req.prompt_len - cached, cached)
+            t_alt = (view.snapshot(alt).waiting_tokens * self._per_token
+                     + self.predictor.prefill_time(req.prompt_len))
+            if t_home > t_alt + (self.affinity or 0.0):
+                self.sent_away += 1  # clearly worse: recompute the history elsewhere
+                return alt
+        self.sent_home += 1
+        return inst
 
     # -- Alg. 2 ----------------------------------------------------------------------------------
     def _pressure(self, s: InstanceSnapshot, dt: float) -> float:

@@ -131,14 +131,16 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     """PLA-Serve (§3): PD disaggregation; prefill instances split short/long by the fitted
     compute-memory boundary, AWD batches for short prefills, C_l chunks for long ones, never
     in the same step (temporal disaggregation); new requests to the least-loaded prefill
-    instance. `pla-spatial` adds short and long pools under the pressure controller."""
+    instance, later turns of a session to the one holding their history. `pla-spatial` adds
+    short and long pools under the pressure controller."""
     roles = _pd_roles(name, o)
     if o.predictor is None:
         raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) to fit its length boundary")
     cfg = o.pla or PLAConfig(max_num_seqs=o.max_num_seqs)
     predictor = o.predictor
     lengths = length_model_of(predictor)
-    router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary)
+    router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary,
+                       affinity=cfg.affinity_tolerance)
 
     def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
         return PLAPrefillScheduler(instance, role, kv, cfg, predictor, lengths)
