@@ -105,7 +105,7 @@ def test_reprefill_on_cached_history_is_short_by_the_router():
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 3), st.integers(1, 9000), st.sampled_from([0.2, 0.5, None]),
                           st.integers(1, 6)), min_size=1, max_size=40),
-       st.sampled_from(["pla", "pla-spatial"]), st.booleans())
+       st.sampled_from(["pla", "pla-spatial", "pla-mix"]), st.booleans())
 def test_every_request_finishes(rows, policy, deadline_free):
     rows = sorted(rows, key=lambda r: r[0])
     reqs = [req(i, a, p, slo, o) for i, (a, p, slo, o) in enumerate(rows)]

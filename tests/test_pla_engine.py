@@ -94,6 +94,18 @@ def test_spatial_pools_on_real_instances(tiny):
     assert c.engines[1].scheduler.stats.long_chunks == 2
 
 
+def test_mix_mode_decodes_on_the_prefill_instance_with_identical_tokens(tiny):
+    model, tok = tiny
+    long_prompt = [(5 * j) % 190 + 3 for j in range(240)]
+    shorts = [[7, 8, 9, 10 + i] for i in range(3)]
+    c = cluster(model, tok, "pla-mix", n=1)
+    got, first = run_with_late_shorts(c, long_prompt, shorts)
+    assert all(first[f"s{i}"] < first["long"] for i in range(3))
+    assert got["long"] == alone(model, tok, long_prompt)
+    assert all(got[f"s{i}"] == alone(model, tok, s) for i, s in enumerate(shorts))
+    assert c.migrations == 0 and not c.engines[0].kv.leaked() and not c.engines[0].has_unfinished()
+
+
 def test_embedded_model_short_prompt_is_not_queued_behind_a_long_one():
     model, tok = load(embedded_model_path())
     long_prompt = tok.encode("Tell me about the history of the printing press. " * 30)[:300]

@@ -97,7 +97,7 @@ def replay(policy, reqs, tolerance):
     return res.states, computed, pol.global_scheduler
 
 
-@pytest.mark.parametrize("policy", ["pla", "pla-spatial"])
+@pytest.mark.parametrize("policy", ["pla", "pla-spatial", "pla-mix"])
 def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
     reqs = conversations()
     on, c_on, router = replay(policy, reqs, 0.05)
@@ -114,7 +114,7 @@ def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
     home = 0
     for s in sorted(on, key=lambda s: (s.req.session, s.req.turn)):
         p = prev.get(s.req.session)
-        where = s.prefill_instance
+        where = s.prefill_instance if policy != "pla-mix" else s.instance
         if p is not None and where is not None and where == p[0]:
             assert c_on[s.id] == s.req.prompt_len - p[1] // 16 * 16
             home += 1

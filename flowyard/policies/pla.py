@@ -190,7 +190,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         hb = cfg.bucket(todo[order[0].id]) or cfg.lengths[-1]
         order[1:] = sorted(order[1:], key=lambda s: abs((cfg.bucket(todo[s.id]) or 10**9) - hb))
         plan = StepPlan()
-        longest, cap = 0, min(self.awd.depth, self.config.max_num_seqs)
+        longest, cap = 0, min(self.awd.depth, self._seq_room())
         for st in order:
             if len(plan.prefills) >= cap:
                 break
@@ -212,6 +212,10 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         self.awd.dispatched(now, len(plan.prefills), bool(self.short))
         return plan
 
+    def _seq_room(self) -> int:
+        """Requests one step may prefill (mix mode subtracts its running decodes)."""
+        return self.config.max_num_seqs
+
     def _long_time(self) -> float:
         """Predicted time of the next long step (a full chunk of C_l tokens at most)."""
         st = self.long[0]
@@ -223,7 +227,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         next chunk, then whole or partial prompts behind it while the budget lasts."""
         plan = StepPlan()
         budget = self.config.long_chunk
-        while self.long and budget > 0 and len(plan.prefills) < self.config.max_num_seqs:
+        while self.long and budget > 0 and len(plan.prefills) < self._seq_room():
             st = self.long[0]
             if not self._admit(st, min(budget, st.uncomputed), plan):
                 break
@@ -248,7 +252,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
                 self.long.appendleft(st)
                 continue
             self._prefilled(st, out, result)
-            if st.req.slo.ttft is not None:
+            if st.req.slo.ttft is not None and st.num_output == 1:  # not a recompute (mix mode)
                 self._slo_done += 1
                 self._slo_late += st.first_token_time > deadline(st.req)
         return result

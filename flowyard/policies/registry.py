@@ -16,6 +16,7 @@ from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
 from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, length_model_of
+from flowyard.policies.pla_mix import PLAMixScheduler
 from flowyard.policies.pla_router import ControllerConfig, PLARouter
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
@@ -132,8 +133,10 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     compute-memory boundary, AWD batches for short prefills, C_l chunks for long ones, never
     in the same step (temporal disaggregation); new requests to the least-loaded prefill
     instance, later turns of a session to the one holding their history. `pla-spatial` adds
-    short and long pools under the pressure controller."""
-    roles = _pd_roles(name, o)
+    short and long pools under the pressure controller; `pla-mix` runs those pools on
+    colocated instances that also decode (no decode pool)."""
+    mix = name == "pla-mix"
+    roles = [Role.MIXED] * o.num_instances if mix else _pd_roles(name, o)
     if o.predictor is None:
         raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) to fit its length boundary")
     cfg = o.pla or PLAConfig(max_num_seqs=o.max_num_seqs)
@@ -141,6 +144,15 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     lengths = length_model_of(predictor)
     router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary,
                        affinity=cfg.affinity_tolerance)
+    if mix:  # no decode pool: each instance decodes what it prefilled (pla_mix)
+        policy = Policy(name, router, roles, {Role.MIXED: BatchConfig(max_num_seqs=cfg.max_num_seqs)})
+
+        def mixed(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+            return PLAMixScheduler(instance, role, kv, cfg, predictor, lengths,
+                                   max_repeats=policy.configs[role].max_repeats)
+
+        policy.schedulers[Role.MIXED] = mixed
+        return policy
 
     def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
         return PLAPrefillScheduler(instance, role, kv, cfg, predictor, lengths)
@@ -210,6 +222,7 @@ _BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
     "flowprefill": _flowprefill,
     "pla": _pla,
     "pla-spatial": _pla_spatial,
+    "pla-mix": _pla_spatial,
     "arrow": _arrow("slo"),
     "arrow-minload": _arrow("minload"),
     "arrow-rr": _arrow("rr"),

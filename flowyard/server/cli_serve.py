@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy
 
-        slo_aware = args.policy.lower() in ("flowprefill", "pla", "pla-spatial", "arrow", "arrow-minload",
+        slo_aware = args.policy.lower() in ("flowprefill", "pla", "pla-spatial", "pla-mix", "arrow", "arrow-minload",
                                             "arrow-rr", "dynaserve")
         if slo_aware and use_ray:
             raise ValueError(f"--policy {args.policy} runs its instances in the serving process "
