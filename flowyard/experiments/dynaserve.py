@@ -45,7 +45,7 @@ class Settings:
     quick: bool = False
 
 
-FULL = Settings(duration=180.0, min_n=200, max_n=2000, models=tuple(MODELS), chunks=(512, 2048),
+FULL = Settings(duration=150.0, min_n=200, max_n=1500, models=tuple(MODELS), chunks=(512, 2048),
                 sigmas=(0, 10, 50, 100), tol=0.05)
 QUICK = Settings(duration=40.0, min_n=40, max_n=300, models=(BASE,), chunks=(512,), sigmas=(0, 100), tol=0.25,
                  grid=(1, 4), quick=True)
