@@ -109,7 +109,8 @@ def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
     ttft = {k: np.mean([s.first_token_time - s.req.arrival for s in states if s.req.turn > 0])
             for k, states in (("on", on), ("off", off))}
     assert ttft["on"] < 0.9 * ttft["off"]
-    # a turn that went home computes only what its previous prompt did not leave there
+    # a turn that went home computes only what its previous turn did not leave there: the
+    # prompt's full blocks, and in mix mode (decoded there too) the reply's as well
     prev: dict[str, object] = {}
     home = 0
     for s in sorted(on, key=lambda s: (s.req.session, s.req.turn)):
@@ -118,5 +119,6 @@ def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
         if p is not None and where is not None and where == p[0]:
             assert c_on[s.id] == s.req.prompt_len - p[1] // 16 * 16
             home += 1
-        prev[s.req.session] = (where, s.req.prompt_len)
+        kept = s.req.prompt_len + (s.req.target_output - 1 if policy == "pla-mix" else 0)
+        prev[s.req.session] = (where, kept)
     assert home >= 0.8 * len(later)

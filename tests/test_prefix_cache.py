@@ -108,3 +108,17 @@ def test_turns_of_a_session_without_tokens_share_their_prompt_blocks():
     assert kv.peek_prefix(t1) == 20 and kv.num_free_blocks == 64
     assert compute(kv, t1) == 20  # the 5 full blocks of turn 0's prompt
     assert compute(kv, other) == 0
+
+
+def test_a_session_turn_also_hits_the_previous_reply():
+    """The next turn's prompt holds the previous prompt and reply: the reply's full blocks are
+    found too (bug: only the previous prompt's blocks were keyed, so replies were recomputed)."""
+    kv = PrefixCachingKVManager(num_blocks=64, block_size=4)
+    t0 = RequestState(Request(1, 0.0, prompt_len=22, output_len=5, session="s7"))
+    compute(kv, t0)
+    assert kv.allocate(t0.id, 27)
+    t0.num_computed = 27  # five decode steps later
+    kv.register(t0)
+    kv.free(t0.id)
+    t1 = RequestState(Request(2, 9.0, prompt_len=40, output_len=3, session="s7", turn=1, history_len=27))
+    assert compute(kv, t1) == 24  # six full blocks: 22 prompt + 2 reply tokens

@@ -8,8 +8,8 @@ same system prompt, finds its history already in KV and prefills only the rest.
 
 Requests with token ids (the engine) hash their tokens; trace requests hash Mooncake-style
 `block_hashes`, each covering `hash_block_size` tokens; turns of a multi-turn session (trace
-requests without tokens) key block j of their prompt as (session, j), since every turn's
-prompt extends the previous turn's; other requests never hit.
+requests without tokens) key block j of their sequence as (session, j), since every turn's
+prompt extends the previous turn's prompt and reply; other requests never hit.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def block_keys(st: RequestState, block_size: int, upto: int) -> list[Hashable]:
             if (j + 1) * block_size > (t // hbs + 1) * hbs:
                 break  # a block that straddles two hash blocks: stop matching here
             keys.append((req.block_hashes[t // hbs], t % hbs))
-    elif req.session is not None:  # a conversation only appends: block j is the same in every turn
-        for j in range(len(keys), min(n_full, req.prompt_len // block_size)):
+    elif req.session is not None:  # a conversation only appends: block j is the same in every
+        # turn, replies included (the next turn's prompt is this prompt + this reply + more)
+        for j in range(len(keys), n_full):
             keys.append((req.session, j))
     return keys[:n_full]
 
