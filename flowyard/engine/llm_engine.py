@@ -21,7 +21,7 @@ import torch
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput
 from flowyard.core.prefix_cache import PrefixCachingKVManager
-from flowyard.core.request import SLO, NO_SLO, Request, RequestState, Status
+from flowyard.core.request import SLO, NO_SLO, Request, RequestState
 from flowyard.engine.model import LAYER_OPS, CausalLM
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.runner import ModelRunner

@@ -45,7 +45,7 @@ def _cap(c) -> str:
 def table1(rep: Report, res: Results) -> None:
     rep.add("## Table 1: fixed shapes on two A100 (Qwen2.5-14B)",
             "Each shape at a rate past every system's capacity (P8192/D32 at 3 req/s, the others at 6), "
-            f"Poisson; colocation with vLLM's default 2048-token chunks, as in the paper. Ours / paper's.")
+            "Poisson; colocation with vLLM's default 2048-token chunks, as in the paper. Ours / paper's.")
     rows = []
     names = ["MFU G1 (%)", "MFU G2 (%)", "HBM (KV) G1 (%)", "HBM (KV) G2 (%)", "P50 TBT (ms)", "P99 TBT (ms)",
              "throughput (req/s)", "TBT attainment (%)"]

@@ -20,6 +20,7 @@ from flowyard.core.kvcache import KVCacheManager, cdiv
 from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.decode_run import reserve_run
 
 INF = float("inf")
 TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
@@ -197,33 +198,7 @@ class BatchScheduler(LocalScheduler):
         return self.kv.blocks_needed(head.id, head.num_computed + 1) <= self.kv.num_free_blocks
 
     def _reserve_run(self, plan: StepPlan) -> int:
-        """Longest decode-only run (<= max_repeats) whose KV fits now; reserves it."""
-        bs = self.kv.block_size
-        cap = self.config.max_repeats
-        for d in plan.decodes:
-            cap = min(cap, self.max_model_len - d.seq_len)
-            if d.req.max_tokens is not None:
-                cap = min(cap, d.req.max_tokens - d.num_output)
-            if d.split_at is not None and d.num_computed < d.split_at:
-                cap = min(cap, d.split_at - d.num_computed)
-        cap = max(cap, 1)
-        free = self.kv.num_free_blocks
-        ctx = [(d.num_computed, self.kv.num_held(d.id)) for d in plan.decodes]
-
-        def need(k: int) -> int:
-            return sum(max(0, cdiv(c + k, bs) - h) for c, h in ctx)
-
-        lo, hi = 1, cap
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if need(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo > 1:
-            for d in plan.decodes:
-                self.kv.allocate(d.id, d.num_computed + lo)
-        return lo
+        return reserve_run(self.kv, plan.decodes, self.config.max_repeats, self.max_model_len)
 
     def shorten(self, plan: StepPlan, steps: int) -> None:
         """The executor will run only `steps` of a decode run: free the KV reserved beyond."""

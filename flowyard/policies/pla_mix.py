@@ -25,6 +25,7 @@ from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import InstanceSnapshot, Role, StepResult
 from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, fill_is_short
+from flowyard.policies.decode_run import reserve_run
 from flowyard.policies.pla_boundary import LengthModel
 
 
@@ -63,7 +64,7 @@ class PLAMixScheduler(PLAPrefillScheduler):
             return None
         self._started = now
         if not plan.prefills and not self.short and not self.long:
-            plan.max_repeats = self._reserve_run(plan)
+            plan.max_repeats = reserve_run(self.kv, plan.decodes, self.max_repeats, self.max_model_len)
             self._run = plan if plan.max_repeats > 1 else None
         return plan
 
@@ -94,28 +95,6 @@ class PLAMixScheduler(PLAPrefillScheduler):
             self.awd.arrived(now)
         else:
             self.long.append(victim)
-
-    def _reserve_run(self, plan: StepPlan) -> int:
-        """Longest decode-only run (<= max_repeats) whose KV fits now; reserves it. Never past
-        the first decode's end (target_output: max_tokens on an engine, the trace's length in
-        the simulator, which stops the run there): blocks reserved beyond would be trimmed
-        again, and taking them evicts cached prefixes that one step at a time would keep."""
-        cap = self.max_repeats
-        for d in plan.decodes:
-            cap = min(cap, self.max_model_len - d.seq_len, d.remaining_output)
-        bs, free = self.kv.block_size, self.kv.num_free_blocks
-        ctx = [(d.num_computed, self.kv.num_held(d.id)) for d in plan.decodes]
-        lo, hi = 1, max(cap, 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if sum(max(0, cdiv(c + mid, bs) - h) for c, h in ctx) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo > 1:
-            for d in plan.decodes:
-                self.kv.allocate(d.id, d.num_computed + lo)
-        return lo
 
     def shorten(self, plan: StepPlan, steps: int) -> None:
         for d in plan.decodes:

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from flowyard.core.request import SLO, Request
-from flowyard.workloads.workload import Workload, normalize
+from flowyard.workloads.workload import Workload
 
 
 def scale_rate(w: Workload, factor: float) -> Workload:
