@@ -117,3 +117,21 @@ def test_migrate_at_any_token_keeps_the_tokens(tiny, where):
     assert tokens == ref
     for e in cluster.engines:
         assert not e.kv.leaked()
+
+
+def test_global_scheduler_ticks_on_real_instances(tiny):
+    """`GlobalScheduler.tick` (pool controllers, monitors) runs on a LocalCluster as in the
+    simulator: every period while work remains, never when idle (bug: it never ran there)."""
+    model, tok = tiny
+    pol = build_policy("round-robin", PolicyOptions(num_instances=2))
+    gs = pol.global_scheduler
+    ticks: list[tuple[float, int]] = []
+    gs.period = 0.002
+    gs.tick = lambda view, now: ticks.append((now, sum(view.snapshot(i).num_running for i in view.instances())))
+    cluster = LocalCluster(model, tok, pol, EngineConfig(kv_cache_tokens=2048))
+    assert cluster.wake_delay() is None
+    assert run(cluster) == reference(tiny)
+    assert len(ticks) >= 2 and all(b[0] - a[0] >= 0.002 for a, b in zip(ticks, ticks[1:]))
+    n = len(ticks)
+    cluster.step()  # idle: no tick
+    assert len(ticks) == n and cluster.wake_delay() is None

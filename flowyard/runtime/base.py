@@ -22,6 +22,27 @@ class KVUsage:
 class ClusterBase:
     policy: Policy
     _where: dict[str, int]  # request id -> instance that tracks it
+    _next_tick: float | None = None  # when the global scheduler's next `tick` is due
+
+    def _periodic(self, busy: bool) -> None:
+        """The global scheduler's periodic work (pool controllers, instance monitors), on the
+        schedule the simulator keeps: every `period` seconds from the first step with work,
+        for as long as there is work. Called by `step`; without it Arrow's monitor flips and
+        PLA-Serve's pool controller would only ever run in the simulator."""
+        gs = self.policy.global_scheduler
+        if gs.period is None or not busy:
+            self._next_tick = None
+            return
+        now = self.now()
+        if self._next_tick is None:
+            self._next_tick = now + gs.period
+        elif now >= self._next_tick:
+            gs.tick(self, now)  # type: ignore[arg-type]
+            self._next_tick = now + gs.period
+
+    def _tick_delay(self) -> float | None:
+        """Seconds until the next tick is due (a serving loop sleeps no longer), or None."""
+        return None if self._next_tick is None else max(0.0, self._next_tick - self.now())
 
     def now(self) -> float:
         raise NotImplementedError

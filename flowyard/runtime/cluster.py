@@ -62,6 +62,8 @@ class LocalCluster(ClusterBase):
     def wake_delay(self) -> float | None:
         """The soonest any instance has something to run (see LLMEngine.wake_delay)."""
         delays = [d for e in self.engines if e.has_unfinished() and (d := e.wake_delay()) is not None]
+        if (tick := self._tick_delay()) is not None and self.has_unfinished():
+            delays.append(tick)
         return min(delays) if delays else None
 
     @property
@@ -110,6 +112,7 @@ class LocalCluster(ClusterBase):
     def step(self) -> list[RequestOutput]:
         """One step of every instance that has work, then the hand-offs it produced."""
         outputs: list[RequestOutput] = []
+        self._periodic(self.has_unfinished())
         for engine in self.engines:
             if not engine.has_unfinished():
                 continue

@@ -223,6 +223,7 @@ class RayCluster(ClusterBase):
         the next step of each such instance at once: instances progress independently, a
         short decode step never waits for a long prefill step elsewhere."""
         self._check_restarts()
+        self._periodic(self.has_unfinished())
         for i, busy in enumerate(self._busy):
             if busy and i not in self._down and i not in self._inflight:
                 self._inflight[i] = self.actors[i].step.remote()
