@@ -14,7 +14,7 @@ from flowyard.experiments.dynaserve import QUICK, SYSTEMS, WORKLOADS, run_experi
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, Cluster
 from flowyard.experiments.dynaserve_report import write_report
 
-TINY = dataclasses.replace(QUICK, duration=8.0, min_n=12, max_n=40, grid=(2.0,), tol=0.6, sigmas=(0, 50))
+TINY = dataclasses.replace(QUICK, duration=8.0, min_n=12, max_n=40, grid=(2.0,), tol=0.6, sigmas=(0, 50), seeds=2)
 
 
 @pytest.fixture(scope="module")
