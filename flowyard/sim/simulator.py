@@ -6,14 +6,7 @@ deterministic. Events: a request arrives (from an `ArrivalSource`, `flowyard/sim
 trace replay or closed-loop clients; its arrival is recorded as the time the event fires); an
 instance finishes the step(s) it was running; a KV transfer lands. Step times: the cost model.
 
-KV transfers take `topology.link(src, dst)`'s time for the bytes moved, and links are not
-shared (each transfer has its own). A micro-request (`RequestState.split_at`, DynaServe §4.3)
-pushes its first segment's KV chunk by chunk: every step that computes tokens of the segment
-sends their KV at once, back to back on the request's link, so at the hand-off only the last
-chunk is still in flight. `chunked_kv=False` (or a global scheduler with `chunked_kv = False`)
-sends the whole segment after the hand-off instead, as for a PD hand-off; requests without a
-split always move that way, so other policies are unchanged. `kv_exposed` records, per
-hand-off, the seconds from the transfer's start to its landing that computation did not hide.
+KV transfer times, whole or pushed chunk by chunk for micro-requests: `kv_push.py`.
 
 Speed comes from one exact shortcut. When a local scheduler promises a decode-only run
 (`StepPlan.max_repeats`), the simulator prices all of its steps in one vectorised cost-model
@@ -44,6 +37,7 @@ from flowyard.policies.registry import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.instance import SimInstance, SimResult
+from flowyard.sim.kv_push import KVPush
 
 ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
 SCHEDULE, TIMER = int(EventKind.SCHEDULE), int(EventKind.TIMER)
@@ -88,14 +82,9 @@ class Simulator:
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
-        self._kv_bytes = cost_model.kv_bytes_per_token()
         # Chunk-by-chunk KV push of micro-requests' first segments (None: the policy decides)
-        self.chunked_kv = (getattr(policy.global_scheduler, "chunked_kv", True)
-                           if chunked_kv is None else chunked_kv)
-        self._pushed: dict[int, tuple[int, float]] = {}  # request id -> (tokens sent, link free at)
-        self.kv_exposed: list[float] = []  # per micro-request hand-off: transfer time not hidden
-        self._micro: set[int] = set()  # micro-requests handed off, transfer not started yet
-        self._splitting: dict[int, RequestState] = {}  # micro-requests before their hand-off
+        chunked = getattr(policy.global_scheduler, "chunked_kv", True) if chunked_kv is None else chunked_kv
+        self.kv_push = KVPush(topology, cost_model.kv_bytes_per_token(), chunked)
         self._heap: list[tuple[float, int, int, object]] = []  # (time, kind, seq, payload)
         self._seq = itertools.count()
         self.now = 0.0
@@ -194,7 +183,7 @@ class Simulator:
         dst = gs.route(st.req, _View(self), self.now)
         if dst is not None and (split := gs.split_point(st.req, dst, _View(self), self.now)):
             st.split_at, st.split_to = split
-            self._splitting[st.id] = st
+            self.kv_push.split(st)
         if dst is None:
             self._ended(st, "rejected by the global scheduler")
             return
@@ -244,18 +233,13 @@ class Simulator:
             self.on_step(inst.id, plan, steps)
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
         inst.settle(self.now)
-        if self._splitting and self.chunked_kv:
-            self._push_chunks(inst.id, ends)
+        self.kv_push.computed(inst.id, ends)
         for st in result.finished:
-            if self._splitting:
-                self._splitting.pop(st.id, None)
-                self._pushed.pop(st.id, None)
+            self.kv_push.finished(st)
             self._ended(st)
         gs = self.policy.global_scheduler
         for st in result.handoffs:
-            if st.split_to is not None:  # a micro-request's first segment is done
-                self._micro.add(st.id)
-                self._splitting.pop(st.id, None)
+            self.kv_push.handed_off(st)
         moves = [(st, _next_instance(gs, st, inst.id, _View(self), self.now)) for st in result.handoffs]
         if gs.routes_decode:  # stateless instances: the decode may move after the prefill
             for st in result.prefilled:
@@ -271,42 +255,20 @@ class Simulator:
         self._start_transfers(inst)
         self._kick(inst)
 
-    def _push_chunks(self, src: int, ends: np.ndarray) -> None:
-        """Micro-requests whose first segment runs on `src` send the KV the plan just computed:
-        one chunk per step, each leaving when its step ends or when the request's previous
-        chunk has left, whichever is later (f_k = max(f_k-1, end_k) + tau_k)."""
-        for st in self._splitting.values():
-            if st.instance != src or st.split_to is None:
-                continue
-            sent, free = self._pushed.get(st.id, (0, -np.inf))
-            new = st.num_computed - sent
-            if new <= 0:
-                continue
-            link = self.topology.link(src, st.split_to)
-            if len(ends) == 1:  # one chunk: this step's tokens
-                free = max(free, float(ends[-1])) + link.transfer_time(new * self._kv_bytes)
-            else:  # a decode run: one token per step
-                tau = link.transfer_time(self._kv_bytes)
-                k = np.arange(len(ends), 0, -1)  # chunks from step i to the last, inclusive
-                free = max(free + new * tau, float(np.max(ends + k * tau)))
-            self._pushed[st.id] = (st.num_computed, free)
-
     def _start_transfers(self, dst: SimInstance) -> None:
         for st in dst.sched.admit_migrations(self.now):
             src = st.instance
             assert src is not None
-            link = self.topology.link(src, dst.id)
-            pushed = self._pushed.pop(st.id, None)
-            if pushed is None:  # the whole KV moves now (PD hand-off, or chunking off)
-                t = self.now + link.transfer_time(st.num_computed * self._kv_bytes)
-            else:  # earlier chunks are on their way or there: only the rest goes now
-                sent, free = pushed
-                rest = st.num_computed - sent
-                t = max(self.now, free) + (link.transfer_time(rest * self._kv_bytes) if rest > 0 else 0.0)
-            if st.id in self._micro:
-                self._micro.discard(st.id)
-                self.kv_exposed.append(t - self.now)
-            self._push(t, KV_DONE, (st, src, dst.id))
+            self._push(self.kv_push.landing(st, src, dst.id, self.now), KV_DONE, (st, src, dst.id))
+
+    @property
+    def chunked_kv(self) -> bool:
+        return self.kv_push.chunked
+
+    @property
+    def kv_exposed(self) -> list[float]:
+        """Per micro-request hand-off: the KV transfer time computation did not hide."""
+        return self.kv_push.exposed
 
     def _kv_landed(self, st: RequestState, src: int, dst: int) -> None:
         source = self.instances[src]
