@@ -115,6 +115,8 @@ class Simulator:
             return
         done = int(np.searchsorted(ends, self.now, side="left"))
         if 0 < done < len(ends):
+            if self.on_step is not None:
+                self.on_step(inst.id, inst.plan, done)
             inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
             inst.ends = ends[done:]
             inst.account(done)
