@@ -143,3 +143,20 @@ def write_tiny_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], *, q8
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def load_model(path: Path):
+    """(CausalLM, tokenizer) of a checkpoint directory, as the engine loads it."""
+    from flowyard.engine.loader import load_checkpoint
+    from flowyard.engine.model import CausalLM
+
+    ckpt = load_checkpoint(path)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    return model, ckpt.tokenizer
+
+
+def tiny_model(root: Path, arch: str = "llama"):
+    """A tiny random checkpoint written under `root` and loaded: (CausalLM, tokenizer)."""
+    d, _ = make_tiny_model(root, arch)
+    return load_model(d)

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_models import load_model, make_tiny_model
 from flowyard.core.request import SLO
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
-from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
@@ -22,11 +20,7 @@ LONG = [(11 * j) % 190 + 5 for j in range(200)]
 SHORT = [(3 * j) % 150 + 7 for j in range(12)]
 
 
-def load(path):
-    ckpt = load_checkpoint(path)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer
+load = load_model
 
 
 @pytest.fixture(scope="module")

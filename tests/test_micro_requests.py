@@ -61,15 +61,9 @@ def test_split_inside_the_output_keeps_the_first_tokens_on_a():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
-    from helpers_models import make_tiny_model
-    from flowyard.engine.loader import load_checkpoint
-    from flowyard.engine.model import CausalLM
+    from helpers_models import tiny_model
 
-    d, _ = make_tiny_model(tmp_path_factory.mktemp("micro"), "qwen2")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer
+    return tiny_model(tmp_path_factory.mktemp("micro"), "qwen2")
 
 
 @pytest.mark.parametrize("offset", [-20, 0, 5])  # inside the prompt, at its end, inside the output

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_models import load_model, make_tiny_model
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
-from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.awd import AWDConfig
 from flowyard.policies.pla import PLAConfig
@@ -21,11 +19,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PREDICTOR = make_cost_model("smollm2-135m", "cpu")
 
 
-def load(path):
-    ckpt = load_checkpoint(path)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer
+load = load_model
 
 
 def cluster(model, tok, policy="pla", n=2, p=1):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_models import tiny_model
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
-from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.base import Role
 from flowyard.policies.registry import PolicyOptions, build_policy
@@ -20,11 +18,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
-    d, _ = make_tiny_model(tmp_path_factory.mktemp("rt"), "qwen2")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer
+    return tiny_model(tmp_path_factory.mktemp("rt"), "qwen2")
 
 
 def run(cluster_or_engine, prompts=PROMPTS, params=GREEDY):
