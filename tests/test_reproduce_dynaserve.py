@@ -36,6 +36,8 @@ def test_report_figures_and_results(tiny):
     assert set(data["table1"]) == {"P8192/D32", "P2048/D512", "P219/D1467"}
     assert set(data["capacity"]["Qwen2.5-14B"]) == set(WORKLOADS)
     assert set(data["hybrid"]) == set(SYSTEMS) and set(data["sensitivity"]["points"]) == {"0", "50"}
+    draws = data["sensitivity"]["points"]["50"]
+    assert len(draws) == 2 and draws[0] != draws[1]  # two workload draws, not one memoised point
     assert EXPERIMENTS["dynaserve"] == "flowyard.experiments.dynaserve"
 
 

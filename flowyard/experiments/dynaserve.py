@@ -166,8 +166,8 @@ def run_experiments(s: Settings, seed: int = 0, log: Log | None = None) -> Resul
     for sigma in s.sigmas:
         say(f"[table 4] output std {sigma:g}")
         key = f"P219/D1467~{sigma:g}"
-        res.sensitivity[sigma] = [base.point(DYNA, key, rate, workload_maker(key, s, seed + k), ds=fixed)
-                                  for k in range(s.seeds)]
+        res.sensitivity[sigma] = [base.point(DYNA, f"{key}#{k}", rate, workload_maker(key, s, seed + k), ds=fixed)
+                                  for k in range(s.seeds)]  # the key names the draw: points are memoised by it
     # Chunked KV transfer on the reasoning workload, at DynaServe's capacity there
     say("[kv] chunked vs whole KV transfer")
     rate = res.capacity[BASE]["reasoning"][DYNA].value or 1.0

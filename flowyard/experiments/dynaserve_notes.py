@@ -16,18 +16,21 @@ NOTES = """\
 - **Table 1 matches in shape and mostly in size.** Colocation with 2048-token chunks misses the
   100 ms TBT SLO on long prompts (P99 about 0.3 s on P8192/D32 and P2048/D512) and
   disaggregation leaves one GPU idle on P8192/D32 and the other on P219/D1467. Our
-  throughputs for those two systems are within about 10 % of the paper's on P8192/D32 and
-  P2048/D512. Our HBM figure is the KV cache actually in use (time-averaged); vLLM reports its
+  throughputs for those two systems are within about 20 % of the paper's. On P219/D1467 at
+  saturation both baselines run their KV cache nearly full and preempted requests stall, so
+  their P99 TBT (about 0.3 s) is above the paper's, which was measured at a lower load. Our HBM figure is the KV cache actually in use (time-averaged); vLLM reports its
   whole pre-allocated pool, so the paper's colocation and decode columns read about 95 %.
-- **MFU is higher than the paper's** (about 60 % against 39-43 % on P8192/D32): the roofline's
+- **MFU is higher than the paper's** (52-56 % against 39-43 % on P8192/D32): the roofline's
   compute efficiency is calibrated on GEMM microbenchmarks, and vLLM v0.7's real steps also
   spend time in the scheduler, sampling and kernel launches that the model prices lightly.
-- **Colocation is a stronger baseline here.** We give it its best chunk size per workload
-  (the paper says it tuned 256-2048). With 512-token chunks the roofline prices a mixed step
-  at well under 100 ms, so its P99 TBT holds the SLO up to the cluster's compute limit: the
-  roofline has no kernel interference between prefill and decode inside one step, which is
-  exactly what the paper blames for colocation's tail (§2.4). Where colocation's capacity
-  equals DynaServe's, both reach the same compute limit.
+- **Against colocation the paper's gains do not reproduce** (capacity within a few % either
+  way). We give colocation its best chunk size per workload, as the paper says it did
+  (256-2048); 256 or 512 wins everywhere. With such chunks the roofline prices a mixed step
+  well under 100 ms, so colocation's P99 TBT holds the SLO up to the cluster's compute limit,
+  which DynaServe reaches too: the roofline has no kernel interference between prefill and
+  decode inside one step, which is exactly what the paper blames for colocation's tail
+  (§2.4). Against disaggregation, whose GPUs idle on unbalanced work, DynaServe's gains do
+  reproduce (1.1-2.6x).
 - **Hand-offs cost DynaServe TBT, so its steps aim lower.** When a request moves from A to B,
   the token after the hand-off waits for B's step in flight and then B's next step, plus the
   last KV chunk: about 1.5 steps. With Alg. 2 aiming steps at 90 ms those gaps were the ones
