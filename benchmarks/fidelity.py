@@ -6,8 +6,11 @@ so the client does not steal the 2 cores from the engine); both runs are summari
 metrics code from the same `RequestState` fields.
 With --instances N --policy P the real side is a `RayCluster` (one process and one thread
 per instance), timed by the driver as outputs arrive, and the profile is taken on one thread.
+With --local as well, the real side is a `LocalCluster` (the N engines in this process, stepped
+in turn by one thread) and the simulator runs with `shared_device=True`, its model of that.
 Run: python benchmarks/fidelity.py [--requests 40] [--rate 1.0] [--dtype float32]
      python benchmarks/fidelity.py --instances 2 --policy distserve --rate 1.5
+     python benchmarks/fidelity.py --instances 2 --policy distserve --local --rate 0.5
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ def workload(n: int, rate: float, max_in: int, max_out: int, seed: int):
     return reqs
 
 
-def run_real(engine: LLMEngine, reqs) -> tuple[list, float]:
-    """Replay arrivals on the wall clock; returns the engine's request states."""
+def run_real(engine, reqs) -> tuple[list, float]:
+    """Replay arrivals on the wall clock through an LLMEngine or a LocalCluster; returns the
+    request states (a request's state object follows it from engine to engine)."""
     states, pending = [], sorted(reqs, key=lambda r: r.arrival)
     start = time.monotonic()
-    engine._t0 = start  # the engine's clock reads 0 at the first arrival, like the trace
+    for e in getattr(engine, "engines", [engine]):
+        e._t0 = start  # the engines' clock reads 0 at the first arrival, like the trace
     i = 0
     while i < len(pending) or engine.has_unfinished():
         now = time.monotonic() - start
@@ -67,7 +72,8 @@ def run_real(engine: LLMEngine, reqs) -> tuple[list, float]:
             rid = f"r{r.id}"
             engine.add_request(rid, [(r.id * 131 + j) % 40000 + 100 for j in range(r.prompt_len)],
                                SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-            states.append((r.arrival, engine.tracked(rid).state))
+            owner = engine.engines[engine._where[rid]] if hasattr(engine, "engines") else engine
+            states.append((r.arrival, owner.tracked(rid).state))
             i += 1
         if engine.has_unfinished():
             engine.step()
@@ -125,10 +131,12 @@ def main() -> None:
     ap.add_argument("--contended-profile", action="store_true",
                     help="profile while another engine process decodes (instances share cores here)")
     ap.add_argument("--link-gbps", type=float, default=8.0, help="modelled KV link (Ray object store)")
+    ap.add_argument("--local", action="store_true",
+                    help="with --instances: the instances in this process (LocalCluster), not Ray actors")
     args = ap.parse_args()
     cfg = EngineConfig(dtype=args.dtype, kv_cache_memory_mb=256, enable_prefix_caching=False)
     engine = LLMEngine.from_path(None, cfg)
-    if args.instances > 1:
+    if args.instances > 1 and not args.local:
         import torch
 
         torch.set_num_threads(1)  # each Ray actor runs one thread
@@ -155,9 +163,14 @@ def main() -> None:
                          max_num_seqs=cfg.max_num_seqs)
     link = Link(args.link_gbps * 1e9 / 8, 2e-3) if args.instances > 1 else _NoLink()
     sim = Simulator(reqs, build_policy(args.policy, opts), cost, Topology(1, link, link),
-                    block_size=cfg.block_size).run()
+                    block_size=cfg.block_size, shared_device=args.local).run()
     simulated = summarize(sim.states, policy="simulated")
-    if args.instances > 1:
+    if args.instances > 1 and args.local:
+        from flowyard.runtime.cluster import LocalCluster
+
+        cluster = LocalCluster(engine.model, engine.tokenizer, build_policy(args.policy, opts), cfg)
+        states, wall = run_real(cluster, reqs)
+    elif args.instances > 1:
         import ray
 
         from flowyard.runtime.ray_cluster import RayCluster

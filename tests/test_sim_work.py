@@ -77,3 +77,17 @@ def test_on_step_sees_every_step_of_runs_committed_in_pieces():
     res = sim.run()
     assert sum(seen) == res.steps
     assert sum(decode_tokens) == sum(r.target_output - 1 for r in w.requests)
+
+
+@pytest.mark.parametrize("policy", ["distserve", "round-robin"])
+def test_a_shared_device_runs_one_step_at_a_time(policy):
+    """`shared_device`: instances time-share one device, as LocalCluster's engines share one
+    thread: their busy times never overlap, so they add up to at most the makespan."""
+    w = resample(load_trace("azure-code"), 80, rate=6.0, seed=2)
+    opts = PolicyOptions(num_instances=2, num_prefill=1)
+    apart = Simulator(w.requests, build_policy(policy, opts), COST, TOPO).run()
+    shared = Simulator(w.requests, build_policy(policy, opts), COST, TOPO, shared_device=True).run()
+    assert sum(apart.instance_busy_s) > apart.sim_time  # the two instances overlap
+    assert sum(shared.instance_busy_s) <= shared.sim_time + 1e-9
+    assert shared.sim_time > apart.sim_time
+    assert all(s.num_output == s.req.target_output for s in shared.states)

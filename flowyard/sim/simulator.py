@@ -64,6 +64,7 @@ class Simulator:
         snapshot_staleness: float = 0.0,
         arrivals: ArrivalSource | None = None,
         chunked_kv: bool | None = None,
+        shared_device: bool = False,
     ) -> None:
         self.requests = list(requests)
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
@@ -77,7 +78,11 @@ class Simulator:
         self._snap_cache: dict[int, tuple[float, InstanceSnapshot]] = {}
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
         kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
-        self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size)))
+        # All instances time-share one device (several engines stepped in turn by one thread,
+        # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
+        self.shared_device = shared_device
+        self._device_free = 0.0
+        self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
                           for i in range(len(policy.roles))]
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
         for inst in self.instances:
@@ -213,6 +218,7 @@ class Simulator:
         t = float(bounds[k - 1])
         inst.busy_s -= float(inst.ends[-1]) - t
         inst.ends = np.array([t])
+        self._device_free = t if self.shared_device else self._device_free
         inst.suspend_at = k
         inst.version += 1
         self.preemption_blocking.append(t - self.now)
@@ -291,6 +297,7 @@ class Simulator:
             if cut < len(ends):
                 inst.busy_s -= float(ends[-1] - ends[cut - 1])
                 inst.ends = ends[:cut]
+                self._device_free = float(ends[cut - 1]) if self.shared_device else self._device_free
                 inst.version += 1
                 inst.sched.shorten(inst.plan, cut)
                 self._push(float(inst.ends[-1]), STEP, (inst, inst.version))
@@ -320,6 +327,10 @@ class Simulator:
     def _start_step(self, inst: SimInstance) -> None:
         if inst.plan is not None:
             return
+        if self.shared_device and self._device_free > self.now:  # plan when the device is free
+            inst.wake_pending = True
+            self._push(self._device_free, SCHEDULE, inst)
+            return
         plan = inst.sched.schedule(self.now)
         if plan is None:
             wake = inst.sched.wake_at(self.now)
@@ -347,6 +358,7 @@ class Simulator:
         inst.launch(shape, self.now)
         inst.version += 1
         inst.busy_s += float(ends[-1] - self.now)
+        self._device_free = float(ends[-1])
         self._push(float(ends[-1]), STEP, (inst, inst.version))
 
     def _check_conservation(self, states: list[RequestState]) -> None:
