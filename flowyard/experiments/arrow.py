@@ -19,8 +19,17 @@ from pathlib import Path
 from flowyard.core.metrics import meets_slo, summarize, tpot, ttft
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import CostModel
-from flowyard.experiments.common import (Log, Scenario, Stopwatch, Tally, Threshold, stderr_log,
-                                         threshold_search)
+from flowyard.experiments.common import (
+    Log,
+    Scenario,
+    Stopwatch,
+    Tally,
+    Threshold,
+    output_dir,
+    reproduce_command,
+    stderr_log,
+    threshold_search,
+)
 from flowyard.policies.arrow_pools import PREFILL_SIDE, Pool
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology, load_workload
@@ -279,14 +288,6 @@ def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log
     """Run the experiments (QUICK or FULL settings) and write `out/arrow.md` + figures."""
     from flowyard.experiments.arrow_report import write_report
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out '{out}' exists and is not a directory")
+    out = output_dir(out)
     res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or _command(quick, seed, out))
-
-
-def _command(quick: bool, seed: int, out: Path) -> str:
-    parts = ["flowyard reproduce arrow"] + ([f"--out {out}"] if str(out) != "docs/results" else [])
-    return " ".join(parts + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else []))
-
+    return write_report(res, out, command=command or reproduce_command("arrow", quick, seed, out))

@@ -14,6 +14,7 @@ Everything is deterministic for a seed: workloads are seeded, the simulator is e
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import sys
 import time
 from dataclasses import dataclass, field
@@ -220,3 +221,17 @@ class Stopwatch:
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def output_dir(out: str | Path) -> Path:
+    """The report directory; an existing file in its place is an error that says so."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OSError(f"--out '{out}' exists and is not a directory")
+    return out
+
+
+def reproduce_command(name: str, quick: bool, seed: int, out: Path) -> str:
+    """The command line that reproduces a report (printed in it)."""
+    parts = [f"flowyard reproduce {name}"] + ([f"--out {out}"] if str(out) != "docs/results" else [])
+    return " ".join(parts + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else []))

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from flowyard.experiments.common import Log, Stopwatch, Threshold, stderr_log, threshold_search
+from flowyard.experiments.common import (
+    Log,
+    Stopwatch,
+    Threshold,
+    output_dir,
+    reproduce_command,
+    stderr_log,
+    threshold_search,
+)
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, Cluster, DSPoint
 from flowyard.policies.dynaserve import DynaServeConfig
 from flowyard.workloads import Workload, fixed_shape, load_trace, mix, reasoning_like, resample
@@ -182,13 +190,9 @@ def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log
     """Run the experiments (QUICK or FULL settings) and write `out/dynaserve.md` + figures."""
     from flowyard.experiments.dynaserve_report import write_report
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out '{out}' exists and is not a directory")
+    out = output_dir(out)
     res = run_experiments(QUICK if quick else FULL, seed, log)
-    parts = ["flowyard reproduce dynaserve"] + ([f"--out {out}"] if str(out) != "docs/results" else [])
-    cmd = command or " ".join(parts + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else []))
-    return write_report(res, out, command=cmd)
+    return write_report(res, out, command=command or reproduce_command("dynaserve", quick, seed, out))
 
 
 __all__ = ["FULL", "QUICK", "Results", "Settings", "run", "run_experiments", "stderr_log"]

@@ -18,8 +18,17 @@ from pathlib import Path
 import numpy as np
 
 from flowyard.costmodel import make_cost_model
-from flowyard.experiments.common import (Log, Scenario, Stopwatch, Tally, Threshold, stderr_log,
-                                         threshold_search)
+from flowyard.experiments.common import (
+    Log,
+    Scenario,
+    Stopwatch,
+    Tally,
+    Threshold,
+    output_dir,
+    reproduce_command,
+    stderr_log,
+    threshold_search,
+)
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.sim.run import SimConfig
 from flowyard.workloads.multitask import qwentrace_like
@@ -213,24 +222,10 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     return res
 
 
-def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "",
-        log: Log | None = None) -> Path:
+def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log: Log | None = None) -> Path:
     """Run the experiments (QUICK or FULL settings) and write `out/flowprefill.md` + figures."""
     from flowyard.experiments.flowprefill_report import write_report
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out '{out}' exists and is not a directory")
+    out = output_dir(out)
     res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or _command(quick, seed, out))
-
-
-def _command(quick: bool, seed: int, out: Path) -> str:
-    parts = ["flowyard reproduce flowprefill"]
-    if str(out) != "docs/results":
-        parts.append(f"--out {out}")
-    if quick:
-        parts.append("--quick")
-    if seed:
-        parts.append(f"--seed {seed}")
-    return " ".join(parts)
+    return write_report(res, out, command=command or reproduce_command("flowprefill", quick, seed, out))

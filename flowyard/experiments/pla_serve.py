@@ -24,7 +24,7 @@ import numpy as np
 
 from flowyard.core.request import SLO, Status
 from flowyard.costmodel import make_cost_model
-from flowyard.experiments.common import Log, Stopwatch, Tally, stderr_log
+from flowyard.experiments.common import Log, Stopwatch, Tally, output_dir, reproduce_command, stderr_log
 from flowyard.policies.pla import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.policies.routers import RoundRobinPD
@@ -269,11 +269,6 @@ def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log
     """Run the experiments (QUICK or FULL settings) and write `out/pla-serve.md` + figures."""
     from flowyard.experiments.pla_serve_report import write_report
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OSError(f"--out '{out}' exists and is not a directory")
+    out = output_dir(out)
     res = run_experiments(QUICK if quick else FULL, seed, log)
-    if not command:
-        command = "flowyard reproduce pla-serve" + (f" --out {out}" if str(out) != "docs/results" else "") \
-            + (" --quick" if quick else "") + (f" --seed {seed}" if seed else "")
-    return write_report(res, out, command=command)
+    return write_report(res, out, command=command or reproduce_command("pla-serve", quick, seed, out))
