@@ -50,21 +50,18 @@ def table1(rep: Report, res: Results) -> None:
             "scheduling delay within 2 s, whatever the TBT; the paper: \"rates adjusted to saturate the system "
             f"capacity\"), req/s: {rates}. Colocation with vLLM's default 2048-token chunks, as in the paper. "
             "Ours / paper's.")
-    rows = []
     names = ["MFU G1 (%)", "MFU G2 (%)", "HBM (KV) G1 (%)", "HBM (KV) G2 (%)", "P50 TBT (ms)", "P99 TBT (ms)",
              "throughput (req/s)", "TBT attainment (%)"]
-    for i, name in enumerate(names):
-        row = [name]
-        for key in res.table1:
-            for sys_ in SYSTEMS:
-                p = res.table1[key][sys_]
-                ours = [100 * p.mfu[0], 100 * p.mfu[1], 100 * p.hbm[0], 100 * p.hbm[1], 1e3 * p.tbt_p50,
-                        1e3 * p.tbt_p99, p.rps, 100 * p.token_attainment][i] if p.mfu else math.nan
-                paper = PAPER_T1.get(key, {}).get(sys_)
-                row.append(f"{ours:.2f}" + (f" / {paper[i]:.2f}" if paper else ""))
-        rows.append(row)
+    columns = []  # one per (shape, system): "ours / paper's" for each metric
+    for key in res.table1:
+        for sys_ in SYSTEMS:
+            p = res.table1[key][sys_]
+            ours = ([100 * p.mfu[0], 100 * p.mfu[1], 100 * p.hbm[0], 100 * p.hbm[1], 1e3 * p.tbt_p50,
+                     1e3 * p.tbt_p99, p.rps, 100 * p.token_attainment] if p.mfu else [math.nan] * len(names))
+            paper = PAPER_T1.get(key, {}).get(sys_)
+            columns.append([f"{v:.2f}" + (f" / {paper[i]:.2f}" if paper else "") for i, v in enumerate(ours)])
     heads = ["metric"] + [f"{k} {s}" for k in res.table1 for s in SYSTEMS]
-    rep.table(heads, rows)
+    rep.table(heads, [[name] + [col[i] for col in columns] for i, name in enumerate(names)])
 
 
 def fig8(rep: Report, res: Results) -> None:
@@ -179,12 +176,8 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     rep.add("## Why ours differ", NOTES)
     failures = [f for c in res.clusters for f in c.failures]
     rep.add(f"Runs that did not finish: {len(failures)}" + "".join(f"\n- {f}" for f in failures[:20]))
-    (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1, default=_nan), encoding="utf-8")
+    (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")
     return rep.write()
-
-
-def _nan(v):
-    return None
 
 
 def _point(p: DSPoint) -> dict:

@@ -15,7 +15,7 @@ class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
     __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
-                 "suspend_at", "timer_at", "work", "shape", "shape_done")
+                 "suspend_at", "timer_at", "work", "shape", "shape_done", "kv_since", "kv_used")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -31,12 +31,12 @@ class SimInstance:
         self.work = InstanceWork(kv_blocks=sched.kv.num_blocks)
         self.shape: BatchShape | None = None  # of the run in flight, for `work`
         self.shape_done = 0  # its steps already counted in `work`
+        self.kv_since, self.kv_used = 0.0, 0  # KV blocks held since then (for work.kv_block_s)
 
     def settle(self, now: float) -> None:
         """Integrate the KV held since the last change of step (a launch or a completion)."""
-        w = self.work
-        w.kv_block_s += w._kv_used * (now - w._kv_t)
-        w._kv_t, w._kv_used = now, self.sched.kv.num_used_blocks
+        self.work.kv_block_s += self.kv_used * (now - self.kv_since)
+        self.kv_since, self.kv_used = now, self.sched.kv.num_used_blocks
 
     def launch(self, shape: BatchShape, now: float) -> None:
         self.settle(now)
@@ -49,7 +49,6 @@ class SimInstance:
         if shape is None:
             return
         ctx, done = shape.decode_ctx, self.shape_done
-        w.steps += steps
         w.prefill_tokens += float(shape.prefill_tokens) * steps
         w.decode_tokens += float(shape.decode_seqs) * steps
         w.attn_pairs += float(shape.prefill_attn) * steps + float(
@@ -65,14 +64,11 @@ class InstanceWork:
     `kv_block_s` integrates the KV blocks held over time, sampled at every step launch and
     completion."""
 
-    steps: int = 0
     prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
     attn_pairs: float = 0.0  # query-key pairs of attention (causal prefill pairs + decode contexts)
     kv_block_s: float = 0.0
     kv_blocks: int = 0  # the instance's KV capacity in blocks
-    _kv_t: float = 0.0
-    _kv_used: int = 0
 
     def kv_usage(self, makespan: float) -> float:
         """Mean share of the KV cache in use over `makespan` seconds."""

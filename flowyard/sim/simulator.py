@@ -81,7 +81,7 @@ class Simulator:
         # All instances time-share one device (several engines stepped in turn by one thread,
         # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
         self.shared_device = shared_device
-        self._device_free = 0.0
+        self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
         self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
                           for i in range(len(policy.roles))]
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
@@ -218,7 +218,7 @@ class Simulator:
         t = float(bounds[k - 1])
         inst.busy_s -= float(inst.ends[-1]) - t
         inst.ends = np.array([t])
-        self._device_free = t if self.shared_device else self._device_free
+        self._device_free = t
         inst.suspend_at = k
         inst.version += 1
         self.preemption_blocking.append(t - self.now)
@@ -297,7 +297,7 @@ class Simulator:
             if cut < len(ends):
                 inst.busy_s -= float(ends[-1] - ends[cut - 1])
                 inst.ends = ends[:cut]
-                self._device_free = float(ends[cut - 1]) if self.shared_device else self._device_free
+                self._device_free = float(ends[cut - 1])
                 inst.version += 1
                 inst.sched.shorten(inst.plan, cut)
                 self._push(float(inst.ends[-1]), STEP, (inst, inst.version))
