@@ -19,6 +19,7 @@ from typing import Callable
 from flowyard.experiments.common import (
     Log,
     Stopwatch,
+    Tally,
     Threshold,
     output_dir,
     reproduce_command,
@@ -106,7 +107,7 @@ class Results:
     sensitivity: dict[float, list[DSPoint]] = field(default_factory=dict)  # sigma -> a point per seed
     sensitivity_rate: float = math.nan
     kv: dict[str, DSPoint] = field(default_factory=dict)  # "chunked" / "whole" -> point
-    clusters: list[Cluster] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)  # simulations run by every cluster
     wall_s: float = 0.0
 
 
@@ -132,8 +133,7 @@ def run_experiments(s: Settings, seed: int = 0, log: Log | None = None) -> Resul
     clock = Stopwatch()
     res = Results(seed, s)
     say = log or (lambda _m: None)
-    clusters = {m: Cluster(*MODELS[m], log=log) for m in s.models}
-    res.clusters = list(clusters.values())
+    clusters = {m: Cluster(*MODELS[m], log=log, tally=res.tally) for m in s.models}
     base = clusters[BASE]
     coloc_chunks: tuple[int | None, ...] = tuple(s.chunks)
 

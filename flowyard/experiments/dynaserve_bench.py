@@ -29,6 +29,7 @@ from flowyard.core.metrics import tbt, ttft
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.hardware import get_hardware
 from flowyard.costmodel.models import get_model
+from flowyard.experiments.common import Tally
 from flowyard.policies.dynaserve import DynaServeConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
@@ -89,16 +90,15 @@ class Cluster:
     deployments (§6.1: DP2 colocation, 1P1D disaggregation, a DynaServe pair, each instance
     a TP group of 1, 2 or 4 GPUs). Memoises points by (system, variant, workload key, rate)."""
 
-    def __init__(self, model: str, tp: int, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, model: str, tp: int, log: Callable[[str], None] | None = None,
+                 tally: Tally | None = None) -> None:
         self.model, self.tp, self.log = model, tp, log
+        self.tally = tally if tally is not None else Tally()
         self.cost = make_cost_model(model, HARDWARE, tp=tp)
         self.topology = build_topology(SimConfig(model=model, hardware=HARDWARE, tp=tp, instances=2))
         self.spec = get_model(model)
         self.peak = get_hardware(HARDWARE).peak_flops * tp
         self._cache: dict[tuple, DSPoint] = {}
-        self.runs = self.events = 0
-        self.sim_wall_s = 0.0
-        self.failures: list[str] = []
 
     def _policy(self, system: str, chunk: int | None, ds: DynaServeConfig | None):
         opts = PolicyOptions(num_instances=2, num_prefill=1, chunk_size=chunk, max_num_seqs=256,
@@ -117,12 +117,12 @@ class Cluster:
             res = sim.run()
         except SimulationError as e:
             p = _nan_point(rate, f"{type(e).__name__}: {e}")
-            self.failures.append(f"{self.model} TP{self.tp}, {system}, {key} at {rate:.3f} req/s: {p.error}")
+            self.tally.failures.append(f"{self.model} TP{self.tp}, {system}, {key} at {rate:.3f} req/s: {p.error}")
         else:
             p = self._reduce(rate, res, sim)
-        self.runs += 1
-        self.events += p.events
-        self.sim_wall_s += p.wall_s
+        self.tally.runs += 1
+        self.tally.events += p.events
+        self.tally.sim_wall_s += p.wall_s
         if self.log is not None:
             self.log(f"  {self.model:>12} TP{self.tp} {system + (f' c{chunk}' if chunk else ''):>16} {key:>22} "
                      f"rate {rate:7.3f}  P99 TBT {p.tbt_p99 * 1e3:6.1f} ms  goodput {p.goodput_tps:8.1f} tok/s "

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowyard.experiments.common import (Report, bar_panel, curve_panel, figure, fmt_x, ratio, save,
-                                         source_revision)
+from flowyard.experiments.common import Report, bar_panel, curve_panel, figure, fmt_x, ratio, save, source_revision
 from flowyard.experiments.dynaserve import BASE, CURVE, MODELS, SHAPES, SYSTEMS, WORKLOADS, Results
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, DSPoint
 from flowyard.experiments.dynaserve_notes import NOTES, SETUP
@@ -159,7 +158,7 @@ def kv(rep: Report, res: Results) -> None:
 def write_report(res: Results, out: Path, *, command: str) -> Path:
     rep = Report(out, "dynaserve")
     s = res.settings
-    runs = sum(c.runs for c in res.clusters)
+    runs = res.tally.runs
     rep.add("# DynaServe reproduced in the simulator",
             f"`{command}` (revision {source_revision()}; {runs} simulations, {res.wall_s:.0f} s on "
             f"{platform.machine()} {platform.system()}, {platform.python_version()}"
@@ -174,7 +173,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     sensitivity(rep, res)
     kv(rep, res)
     rep.add("## Why ours differ", NOTES)
-    failures = [f for c in res.clusters for f in c.failures]
+    failures = res.tally.failures
     rep.add(f"Runs that did not finish: {len(failures)}" + "".join(f"\n- {f}" for f in failures[:20]))
     (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")
     return rep.write()
