@@ -180,6 +180,15 @@ class GlobalScheduler(ABC):
     def tick(self, view: ClusterView, now: float) -> None:
         """Periodic work of the cluster policy, on the executor's clock."""
 
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """A request finished (executors call this for every one, wherever its local scheduler
+        runs): predictors learn from it (DynaServe's output lengths)."""
+
+    def pool_moves(self) -> Sequence[tuple[float, int, str, str]]:
+        """Every pool or role change of an instance so far, (time, instance, from, to), in
+        order: executors log them as flips. Policies without pools have none."""
+        return ()
+
     @abstractmethod
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         """Instance that receives a new request; None rejects it."""

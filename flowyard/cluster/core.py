@@ -1,0 +1,209 @@
+"""The cluster core: what a cluster does around its schedulers, written once for every executor.
+
+A request arrives: the global scheduler routes it (it sees the real `Request`: session,
+history, task, SLO), may split it into micro-requests, and the chosen instance's local
+scheduler queues it. After each executed step an instance reports a `StepResult`; the core
+tells the global scheduler which requests finished, picks where each hand-off continues (its
+micro-request plan, else the decode router) and where each prefill that just ended decodes
+(stateless instances), and starts those moves. Periodic ticks run the global scheduler's
+controllers. Every decision goes to an optional `DecisionLog`, which is how the two-executor
+guard compares a simulated run with a real one.
+
+What differs between executors is only a clock (passed in as `now`) and a `Transport`: where
+the local schedulers live and how a request and its KV move. The simulator prices steps and
+KV links with a cost model; `LocalCluster` copies KV between in-process engines; `RayCluster`
+ships it between actor processes through the object store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from flowyard.core.request import RequestState
+from flowyard.policies.base import GlobalScheduler, InstanceSnapshot, Role, StepResult
+
+
+class Transport(Protocol):
+    """An executor's instances, as the core drives them."""
+
+    def instances(self, role: Role | None = None) -> Sequence[int]:
+        """Live instances (of one role)."""
+
+    def snapshot(self, instance: int) -> InstanceSnapshot: ...
+
+    def add(self, instance: int, st: RequestState, now: float) -> bool:
+        """Queue a new request there (its micro-request plan, if any, is set on st); False if
+        it was refused (st.reject_reason says why)."""
+
+    def hand_off(self, instance: int, st: RequestState) -> bool:
+        """Stop running st there, keeping its KV for a move; False if it is not running."""
+
+    def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
+        """Continue st, whose KV sits on src, on dst: dst admits it when it has room, then
+        its KV is copied and src releases it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One scheduling decision. kind: route, reject, split, handoff, decode, migrate, flip,
+    preempt. request: the request id (-1 for instance decisions such as flips); src/dst:
+    instances; detail: the split point, a pool name, ..."""
+
+    t: float
+    kind: str
+    request: int
+    src: int | None = None
+    dst: int | None = None
+    detail: str = ""
+
+
+@dataclass
+class DecisionLog:
+    """The decisions of one run in the order they were taken."""
+
+    decisions: list[Decision] = field(default_factory=list)
+
+    def add(self, t: float, kind: str, request: int, src: int | None = None, dst: int | None = None,
+            detail: object = "") -> None:
+        self.decisions.append(Decision(t, kind, request, src, dst, str(detail)))
+
+    def kinds(self) -> set[str]:
+        return {d.kind for d in self.decisions}
+
+    def without_time(self, *kinds: str) -> list[tuple]:
+        """The decisions (of these kinds; all if none given) without their times: what two
+        executors must agree on even where their clocks differ in the last digits."""
+        return [(d.kind, d.request, d.src, d.dst, d.detail) for d in self.decisions
+                if not kinds or d.kind in kinds]
+
+
+class ClusterCore:
+    """The orchestration every executor shares; also the `ClusterView` policies read."""
+
+    def __init__(self, policy, transport: Transport, log: DecisionLog | None = None) -> None:
+        self.policy = policy
+        self.gs: GlobalScheduler = policy.global_scheduler
+        self.transport = transport
+        self.log = log
+        self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
+
+    # -- ClusterView --------------------------------------------------------------------------
+    def instances(self, role: Role | None = None) -> Sequence[int]:
+        return self.transport.instances(role)
+
+    def snapshot(self, instance: int) -> InstanceSnapshot:
+        return self.transport.snapshot(instance)
+
+    # -- arrival ------------------------------------------------------------------------------
+    def arrive(self, st: RequestState, now: float) -> int | None:
+        """Route a new request, split it if the policy says so, and queue it. Returns the
+        instance, or None when it was rejected (st.reject_reason says why)."""
+        gs, log = self.gs, self.log
+        dst = gs.route(st.req, self, now)
+        self._log_flips()
+        if dst is None:
+            st.reject_reason = st.reject_reason or "rejected by the global scheduler"
+            if log is not None:
+                log.add(now, "reject", st.id, detail=st.reject_reason)
+            return None
+        split = gs.split_point(st.req, dst, self, now)
+        if split:
+            st.split_at, st.split_to = split
+        if log is not None:
+            log.add(now, "route", st.id, dst=dst)
+            if split:
+                log.add(now, "split", st.id, src=dst, dst=split[1], detail=split[0])
+        if not self.transport.add(dst, st, now):
+            if log is not None:
+                log.add(now, "reject", st.id, dst=dst, detail=st.reject_reason or "refused")
+            return None
+        return dst
+
+    # -- after a step -------------------------------------------------------------------------
+    def stepped(self, instance: int, result: StepResult, now: float) -> list[tuple[RequestState, int]]:
+        """Apply what one executed step of `instance` produced: finished requests reach the
+        global scheduler (it learns output lengths from them), hand-offs continue where their
+        micro-request plan or the decode router says, and, for stateless instances, a prefill
+        that just ended decodes where the global scheduler says. All destinations are chosen
+        before any move starts (each sees the cluster as the step left it). Returns the moves."""
+        gs, log = self.gs, self.log
+        for st in result.finished:
+            gs.on_finished(st, now)
+        moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
+        if gs.routes_decode:
+            for st in result.prefilled:
+                dst = gs.route_decode(st, instance, self, now)
+                if dst != instance and self.transport.hand_off(instance, st):
+                    moves.append((st, dst))
+                    if log is not None:
+                        log.add(now, "decode", st.id, src=instance, dst=dst)
+        self._log_flips()
+        for st, dst in moves:
+            st.prefill_instance = instance
+            self.transport.move(instance, dst, st, now)
+        return moves
+
+    def _continue_at(self, st: RequestState, src: int, now: float) -> int:
+        """Where a handed-off request continues: its micro-request plan, else the decode router."""
+        if st.split_to is not None:
+            dst, st.split_to = st.split_to, None
+        else:
+            dst = self.gs.route_decode(st, src, self, now)
+        if self.log is not None:
+            self.log.add(now, "handoff", st.id, src=src, dst=dst)
+        return dst
+
+    # -- migration and ticks -------------------------------------------------------------------
+    def migrate(self, st: RequestState, src: int, dst: int, now: float) -> bool:
+        """Move a running request to dst at whatever token it has reached."""
+        if src == dst or not self.transport.hand_off(src, st):
+            return False
+        if self.log is not None:
+            self.log.add(now, "migrate", st.id, src=src, dst=dst)
+        self.transport.move(src, dst, st, now)
+        return True
+
+    def tick(self, now: float) -> None:
+        """The global scheduler's periodic work (pool controllers, instance monitors)."""
+        self.gs.tick(self, now)
+        self._log_flips()
+
+    def preempted(self, instance: int, now: float, detail: object = "") -> None:
+        """A local scheduler suspended its running plan (an executor saw it happen)."""
+        if self.log is not None:
+            self.log.add(now, "preempt", -1, src=instance, detail=detail)
+
+    def _log_flips(self) -> None:
+        if self.log is None:
+            return
+        moves = self.gs.pool_moves()
+        for t, inst, frm, to in moves[self._moves_seen:]:
+            self.log.add(t, "flip", -1, src=inst, dst=inst, detail=f"{frm}->{to}")
+        self._moves_seen = len(moves)
+
+
+class Ticker:
+    """When the global scheduler's next periodic tick is due on a real clock: every `period`
+    seconds from the first step with work, for as long as there is work (the simulator keeps
+    the same schedule with timer events)."""
+
+    def __init__(self, period: float | None) -> None:
+        self.period = period
+        self.next: float | None = None
+
+    def due(self, now: float, busy: bool) -> bool:
+        if self.period is None or not busy:
+            self.next = None
+            return False
+        if self.next is None:
+            self.next = now + self.period
+            return False
+        if now >= self.next:
+            self.next = now + self.period
+            return True
+        return False
+
+    def delay(self, now: float) -> float | None:
+        """Seconds until the next tick is due (a serving loop sleeps no longer), or None."""
+        return None if self.next is None else max(0.0, self.next - now)
