@@ -27,7 +27,7 @@ from flowyard.policies.base import GlobalScheduler, InstanceSnapshot, Role, Step
 class Transport(Protocol):
     """An executor's instances, as the core drives them."""
 
-    def instances(self, role: Role | None = None) -> Sequence[int]:
+    def instance_ids(self, role: Role | None = None) -> Sequence[int]:
         """Live instances (of one role)."""
 
     def snapshot(self, instance: int) -> InstanceSnapshot: ...
@@ -86,11 +86,14 @@ class ClusterCore:
         self.gs: GlobalScheduler = policy.global_scheduler
         self.transport = transport
         self.log = log
+        # the ClusterView calls go straight to the transport: policies call them on every arrival
+        self.instances = transport.instance_ids  # type: ignore[method-assign]
+        self.snapshot = transport.snapshot  # type: ignore[method-assign]
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
 
     # -- ClusterView --------------------------------------------------------------------------
     def instances(self, role: Role | None = None) -> Sequence[int]:
-        return self.transport.instances(role)
+        return self.transport.instance_ids(role)
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
         return self.transport.snapshot(instance)

@@ -36,9 +36,9 @@ class KVPush:
             self._pushed.pop(st.id, None)
 
     def handed_off(self, st: RequestState) -> None:
-        if st.split_to is not None:  # a micro-request's first segment is done
+        """st leaves its instance; for a micro-request, its first segment is done."""
+        if self._splitting.pop(st.id, None) is not None:
             self._micro.add(st.id)
-            self._splitting.pop(st.id, None)
 
     def computed(self, src: int, ends: np.ndarray) -> None:
         """A plan on `src` ended at `ends`: micro-requests whose first segment runs there send

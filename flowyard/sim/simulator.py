@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
@@ -65,6 +66,7 @@ class Simulator:
         arrivals: ArrivalSource | None = None,
         chunked_kv: bool | None = None,
         shared_device: bool = False,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.requests = list(requests)
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
@@ -95,10 +97,15 @@ class Simulator:
         self.now = 0.0
         self.steps = self._done = 0  # steps executed; requests finished or rejected
         self.preemption_blocking: list[float] = []
+        # routing, splits, hand-offs, decode routing, ticks: the orchestration every executor
+        # shares; this class is its virtual clock and its transport (`flowyard.cluster`)
+        self.core = ClusterCore(policy, self, decisions)
 
-    # -- ClusterView ---------------------------------------------------------------------
-    def instances_of(self, role: Role | None = None) -> list[int]:
+    # -- Transport (flowyard.cluster.core) -------------------------------------------------
+    def instance_ids(self, role: Role | None = None) -> list[int]:
         return self._by_role.get(role, [])
+
+    instances_of = instance_ids
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
         if self.snapshot_staleness > 0:
@@ -186,23 +193,31 @@ class Simulator:
     def _arrive(self, st: RequestState) -> None:
         if st.req.arrival != self.now:  # sent by a closed-loop client: arrival = send time
             st.req = replace(st.req, arrival=self.now)
-        gs = self.policy.global_scheduler
-        dst = gs.route(st.req, _View(self), self.now)
-        if dst is not None and (split := gs.split_point(st.req, dst, _View(self), self.now)):
-            st.split_at, st.split_to = split
+        if self.core.arrive(st, self.now) is None:
+            self._ended(st, st.reject_reason or "rejected")
+
+    def add(self, instance: int, st: RequestState, now: float) -> bool:
+        if st.split_to is not None:  # a micro-request: its first segment's KV will be pushed
             self.kv_push.split(st)
-        if dst is None:
-            self._ended(st, "rejected by the global scheduler")
-            return
-        inst = self.instances[dst]
-        if not inst.sched.add_request(st, self.now):
-            self._ended(st)
-            return
+        inst = self.instances[instance]
+        if not inst.sched.add_request(st, now):
+            return False
         plan = inst.plan
         if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
-            if inst.sched.preempt_check(self.now):
+            if inst.sched.preempt_check(now):
                 self._preempt(inst, plan)
         self._kick(inst)
+        return True
+
+    def hand_off(self, instance: int, st: RequestState) -> bool:
+        return self.instances[instance].sched.hand_off(st.id) is not None
+
+    def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
+        self.kv_push.handed_off(st)
+        target = self.instances[dst]
+        target.sched.add_migration(st, now)
+        self._interrupt(target)
+        self._start_transfers(target)
 
     def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:
         """Suspend inst's plan at the first preemption boundary not before now (the rest of the
@@ -222,6 +237,7 @@ class Simulator:
         inst.suspend_at = k
         inst.version += 1
         self.preemption_blocking.append(t - self.now)
+        self.core.preempted(inst.id, self.now, k)
         self._push(t, STEP, (inst, inst.version))
 
     def _complete(self, inst: SimInstance, steps: int) -> None:
@@ -245,21 +261,7 @@ class Simulator:
         for st in result.finished:
             self.kv_push.finished(st)
             self._ended(st)
-        gs = self.policy.global_scheduler
-        for st in result.handoffs:
-            self.kv_push.handed_off(st)
-        moves = [(st, _next_instance(gs, st, inst.id, _View(self), self.now)) for st in result.handoffs]
-        if gs.routes_decode:  # stateless instances: the decode may move after the prefill
-            for st in result.prefilled:
-                dst = gs.route_decode(st, inst.id, _View(self), self.now)
-                if dst != inst.id and inst.sched.hand_off(st.id) is not None:
-                    moves.append((st, dst))
-        for st, dst in moves:
-            st.prefill_instance = inst.id
-            target = self.instances[dst]
-            target.sched.add_migration(st, self.now)
-            self._interrupt(target)
-            self._start_transfers(target)
+        self.core.stepped(inst.id, result, self.now)
         self._start_transfers(inst)
         self._kick(inst)
 
@@ -316,10 +318,10 @@ class Simulator:
         """A local scheduler's wake-up time (a batching window closing), or, for None, the
         global scheduler's periodic tick, which goes on while requests remain."""
         if inst is None:
-            gs = self.policy.global_scheduler
-            gs.tick(_View(self), self.now)
-            if self._done < total and gs.period is not None:
-                self._push(self.now + gs.period, TIMER, None)
+            self.core.tick(self.now)
+            period = self.policy.global_scheduler.period
+            if self._done < total and period is not None:
+                self._push(self.now + period, TIMER, None)
         elif inst.timer_at is not None and inst.timer_at <= self.now:
             inst.timer_at = None
             self._kick(inst)
@@ -371,25 +373,3 @@ class Simulator:
             if leaked or inst.sched.has_work():
                 raise SimulationError(f"instance {inst.id} still holds KV or work: {leaked}")
 
-
-class _View:
-    """ClusterView over the simulator (kept tiny: policies call it on every arrival)."""
-
-    __slots__ = ("_sim",)
-
-    def __init__(self, sim: Simulator) -> None:
-        self._sim = sim
-
-    def instances(self, role: Role | None = None) -> list[int]:
-        return self._sim.instances_of(role)
-
-    def snapshot(self, instance: int) -> InstanceSnapshot:
-        return self._sim.snapshot(instance)
-
-
-def _next_instance(gs, st: RequestState, src: int, view: _View, now: float) -> int:
-    """Where a handed-off request continues: its micro-request plan, else the decode router."""
-    if st.split_to is not None:
-        dst, st.split_to = st.split_to, None
-        return dst
-    return gs.route_decode(st, src, view, now)
