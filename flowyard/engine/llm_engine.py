@@ -27,7 +27,7 @@ from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.runner import ModelRunner
 from flowyard.engine.sampling import RequestOutput, SamplingParams, sample
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from flowyard.policies.base import LocalScheduler, Role
+from flowyard.policies.base import LocalScheduler, Role, StepResult
 from flowyard.policies.local import BatchConfig, BatchScheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +80,8 @@ class LLMEngine:
                  name: str = "model", *, instance: int = 0, role: Role = Role.MIXED,
                  batch: BatchConfig | None = None, ids: Iterator[int] | None = None,
                  t0: float | None = None,
-                 scheduler: Callable[[KVCacheManager, int], LocalScheduler] | None = None) -> None:
+                 scheduler: Callable[[KVCacheManager, int], LocalScheduler] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         """instance/role/batch: this engine's place in a cluster and its policy's local
         scheduler settings; ids/t0: request-id counter and clock origin shared by a cluster;
         scheduler: build the policy's own local scheduler (from the KV manager and the
@@ -109,16 +110,18 @@ class LLMEngine:
             self.scheduler = BatchScheduler(instance, role, self.kv, dataclasses.replace(
                 base, max_model_len=self.max_model_len, max_repeats=1))
         self.instance = instance
-        self.handoffs: list[RequestState] = []  # prefill done here (PREFILL role): to migrate
-        self.prefilled: list[RequestState] = []  # prefill done here (MIXED role): may migrate
-        self.collect_prefilled = False  # set by a runtime whose policy routes decodes (Arrow)
+        # what each executed step's update_from_output returned (finished, hand-offs, prefilled):
+        # a cluster runtime takes them after every step for its cluster core; a lone engine
+        # keeps only the last one
+        self.results: list[StepResult] = []
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
         self._ids = ids if ids is not None else itertools.count()
         self._by_int: dict[int, TrackedRequest] = {}
         self._by_str: dict[str, TrackedRequest] = {}
-        self._t0 = t0 if t0 is not None else time.monotonic()
+        self._clock = clock or time.monotonic  # a test may inject a virtual clock
+        self._t0 = t0 if t0 is not None else self._clock()
         self.eos = tuple(tokenizer.eos_token_ids)
 
     @classmethod
@@ -134,7 +137,7 @@ class LLMEngine:
         return cls(model, ckpt.tokenizer, config, name=name)
 
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     def wake_delay(self) -> float | None:
         """Seconds until `step` has something to run if no request arrives: 0 after a step that
@@ -162,31 +165,43 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    slo: SLO | None = None, arrival: float | None = None) -> None:
-        """arrival: when the request reached the server (time.monotonic()); default now."""
+                    slo: SLO | None = None, arrival: float | None = None, **fields) -> None:
+        """arrival: when the request reached the server (time.monotonic()); default now.
+        fields: more `Request` fields (task, session, turn, history_len)."""
+        self.add_tracked(self.make_request(request_id, prompt_ids, params, slo, arrival, **fields))
+
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     slo: SLO | None = None, arrival: float | None = None, **fields) -> TrackedRequest:
+        """Check a new request and build its record without queueing it (a cluster routes
+        the real request first, then queues it on the instance the policy picks)."""
         if request_id in self._by_str:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
-        rid = next(self._ids)
         now = self.now()
         arrived = now if arrival is None else min(now, arrival - self._t0)
-        req = Request(id=rid, arrival=arrived, prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
-                      slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids))
+        req = Request(id=next(self._ids), arrival=arrived, prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
+                      slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids), **fields)
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator().manual_seed(params.seed)
-        t = TrackedRequest(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
-        self._by_int[rid] = t
-        self._by_str[request_id] = t
+        return TrackedRequest(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
+
+    def add_tracked(self, t: TrackedRequest) -> None:
+        """Queue a request built by `make_request` here; ValueError if the scheduler refuses it."""
+        if t.request_id in self._by_str:
+            raise ValueError(f"duplicate request id {t.request_id!r}")
+        now = self.now()
+        self._by_int[t.state.id] = t
+        self._by_str[t.request_id] = t
         if not self.scheduler.add_request(t.state, now):
             self._forget(t)
             raise ValueError(t.state.reject_reason or "request rejected")
         self._idle_until = None  # new work: the next step decides again
         if self.pool.running is not None and self.scheduler.preempt_check(now):
-            self.pool.signal(arrived)  # an arrival during a preemptible prefill (FlowPrefill)
+            self.pool.signal(t.state.req.arrival)  # an arrival during a preemptible prefill (FlowPrefill)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         t = self._by_str.get(request_id)
@@ -264,9 +279,9 @@ class LLMEngine:
         out = StepOutput(end_times=np.array([self.now()]), sampled={t.state.id: [tok] for t, tok in zip(tracked, tokens)},
                          stopped=frozenset(stopped))
         result = self.scheduler.update_from_output(plan, out)
-        self.handoffs.extend(result.handoffs)
-        if self.collect_prefilled:
-            self.prefilled.extend(result.prefilled)
+        self.results.append(result)
+        if len(self.results) > 64:  # nobody is taking them: keep the recent ones only
+            del self.results[:-1]
         finished = {s.id for s in result.finished}
         outputs = []
         for t in tracked:

@@ -1,12 +1,13 @@
-"""What every cluster runtime shares: routing new requests with the policy's global scheduler
-and the aggregate gauges the server reads (`AsyncLLMEngine` drives any of them)."""
+"""What every cluster runtime shares: the cluster core that routes, splits and moves requests
+(`flowyard.cluster`), conversation sessions, periodic ticks on the wall clock, and the
+aggregate gauges the server reads (`AsyncLLMEngine` drives any runtime)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowyard.core.request import SLO, NO_SLO, Request
-from flowyard.engine.sampling import SamplingParams
+from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
+from flowyard.core.request import RequestState
 from flowyard.policies.base import InstanceSnapshot
 from flowyard.policies.registry import Policy
 
@@ -19,30 +20,67 @@ class KVUsage:
     hit_rate: float
 
 
+class Sessions:
+    """Conversation turns as the global scheduler sees them: a request that names a session
+    continues it, and the prefix its prompt shares with that session's last prompt and reply
+    is its history (what PLA-Serve's session affinity and re-prefill act on)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._last: dict[str, tuple[int, tuple[int, ...]]] = {}  # session -> (turn, tokens)
+        self.limit = limit
+
+    def fields(self, prompt_ids: list[int], session: str | None) -> dict:
+        if session is None:
+            return {}
+        turn, seen = self._last.get(session, (-1, ()))
+        n = 0
+        for a, b in zip(prompt_ids, seen):
+            if a != b:
+                break
+            n += 1
+        return {"session": session, "turn": turn + 1, "history_len": min(n, len(prompt_ids) - 1)}
+
+    def finished(self, st: RequestState) -> None:
+        req = st.req
+        if req.session is None or req.prompt_tokens is None:
+            return
+        if len(self._last) >= self.limit and req.session not in self._last:
+            self._last.pop(next(iter(self._last)))  # oldest session first
+        self._last[req.session] = (req.turn, req.prompt_tokens + tuple(st.output_tokens))
+
+
 class ClusterBase:
+    """The parts of a runtime that do not depend on where its instances run."""
+
     policy: Policy
+    core: ClusterCore
     _where: dict[str, int]  # request id -> instance that tracks it
-    _next_tick: float | None = None  # when the global scheduler's next `tick` is due
+
+    def _init_core(self, policy: Policy, decisions: DecisionLog | None) -> None:
+        self.policy = policy
+        self.core = ClusterCore(policy, self, decisions)  # type: ignore[arg-type]
+        self.ticker = Ticker(policy.global_scheduler.period)
+        self.sessions = Sessions()
+        self._where = {}
 
     def _periodic(self, busy: bool) -> None:
         """The global scheduler's periodic work (pool controllers, instance monitors), on the
         schedule the simulator keeps: every `period` seconds from the first step with work,
-        for as long as there is work. Called by `step`; without it Arrow's monitor flips and
-        PLA-Serve's pool controller would only ever run in the simulator."""
-        gs = self.policy.global_scheduler
-        if gs.period is None or not busy:
-            self._next_tick = None
-            return
+        for as long as there is work."""
         now = self.now()
-        if self._next_tick is None:
-            self._next_tick = now + gs.period
-        elif now >= self._next_tick:
-            gs.tick(self, now)  # type: ignore[arg-type]
-            self._next_tick = now + gs.period
+        if self.ticker.due(now, busy):
+            self.core.tick(now)
 
     def _tick_delay(self) -> float | None:
-        """Seconds until the next tick is due (a serving loop sleeps no longer), or None."""
-        return None if self._next_tick is None else max(0.0, self._next_tick - self.now())
+        return self.ticker.delay(self.now())
+
+    def _finished(self, results) -> None:
+        for st in results:
+            self.sessions.finished(st)
+
+    # -- ClusterView (the global scheduler reads the runtime through the core) --------------
+    def instances(self, role=None):
+        return self.instance_ids(role)
 
     def now(self) -> float:
         raise NotImplementedError
@@ -53,16 +91,9 @@ class ClusterBase:
     def prefix_hit_rate(self) -> float:
         return 0.0
 
-    def _route(self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None) -> int:
-        """The instance the global scheduler sends a new request to."""
-        if request_id in self._where:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        probe = Request(id=-1, arrival=self.now(), prompt_len=max(1, len(prompt_ids)),
-                        max_tokens=params.max_tokens, slo=slo or NO_SLO)
-        dst = self.policy.global_scheduler.route(probe, self, self.now())  # type: ignore[arg-type]
-        if dst is None:
-            raise ValueError("no instance can take this request now")
-        return dst
+    @property
+    def decisions(self) -> DecisionLog | None:
+        return self.core.log
 
     @property
     def num_waiting(self) -> int:
