@@ -60,6 +60,17 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_mb must be positive")
 
 
+def new_request(rid: int, arrival: float, prompt_ids: list[int], params: SamplingParams, slo: SLO | None,
+                max_model_len: int, **fields) -> Request:
+    """A `Request` for token ids, checked against the context limit (ValueError says why)."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {max_model_len}")
+    return Request(id=rid, arrival=arrival, prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
+                   slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids), **fields)
+
+
 @dataclass(slots=True)
 class TrackedRequest:
     """Engine-side bookkeeping of one request: its params, detokeniser and stop handling."""
@@ -176,18 +187,17 @@ class LLMEngine:
         the real request first, then queues it on the instance the policy picks)."""
         if request_id in self._by_str:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
         now = self.now()
         arrived = now if arrival is None else min(now, arrival - self._t0)
-        req = Request(id=next(self._ids), arrival=arrived, prompt_len=len(prompt_ids), max_tokens=params.max_tokens,
-                      slo=slo or NO_SLO, prompt_tokens=tuple(prompt_ids), **fields)
+        req = new_request(next(self._ids), arrived, prompt_ids, params, slo, self.max_model_len, **fields)
+        return self.track(request_id, RequestState(req), params)
+
+    def track(self, request_id: str, state: RequestState, params: SamplingParams) -> TrackedRequest:
+        """The engine-side record of a request whose state was made elsewhere (a driver)."""
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator().manual_seed(params.seed)
-        return TrackedRequest(request_id, RequestState(req), params, IncrementalDetokenizer(self.tokenizer), gen)
+        return TrackedRequest(request_id, state, params, IncrementalDetokenizer(self.tokenizer), gen)
 
     def add_tracked(self, t: TrackedRequest) -> None:
         """Queue a request built by `make_request` here; ValueError if the scheduler refuses it."""
@@ -217,6 +227,10 @@ class LLMEngine:
     def tracked(self, request_id: str) -> TrackedRequest | None:
         """The engine-side record of a request (its state, params and stream position)."""
         return self._by_str.get(request_id)
+
+    def holds(self, req_id: int) -> bool:
+        """Whether this engine tracks the request (it has not finished, been aborted or left)."""
+        return req_id in self._by_int
 
     def tracked_by_id(self, req_id: int) -> TrackedRequest:
         return self._by_int[req_id]

@@ -1,0 +1,234 @@
+"""What runs inside each Ray actor process: one engine with the policy's local scheduler.
+
+The actor is asynchronous so that the driver never waits on a busy instance and so that an
+arrival reaches a step in flight: `add_request`, `abort` and `put` only append to an inbox;
+everything that touches the engine runs on one worker thread, which drains the inbox before
+each action. Ray does not keep the order of calls to an async actor, so the driver numbers
+its calls to each actor and every call waits for its turn. During a preemptible step (FlowPrefill) the engine calls
+`_at_boundary` between operators, which takes in new requests there, so they can preempt
+the running prefill exactly as in one process; anything else waits for the step's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from flowyard.core.request import RequestState
+from flowyard.engine.llm_engine import EngineConfig, LLMEngine, TrackedRequest
+from flowyard.engine.sampling import RequestOutput, SamplingParams
+from flowyard.policies.base import InstanceSnapshot, StepResult
+
+
+class EngineActor:
+    def __init__(self, model: str | None, config: EngineConfig, instance: int, policy: Any, t0: float) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, config.threads or 1))
+        base = LLMEngine.from_path(model, config)
+        self.engine = LLMEngine(base.model, base.tokenizer, config, base.model_name, instance=instance,
+                                role=policy.roles[instance], t0=t0,
+                                scheduler=lambda kv, max_len: policy.make_local(
+                                    instance, kv, max_model_len=max_len, single_step=True))
+        self.engine.boundary_hook = self._at_boundary
+        self.inbox: collections.deque = collections.deque()
+        self.pending: list[tuple[RequestState, list]] = []  # migrations waiting for KV room
+        self.errors: list[RequestOutput] = []  # refusals and lost migrations, sent with the next step
+        self.arriving: list[tuple[str, Any]] = []  # (request id, the source's `take`) not there yet
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
+        self._next = 0  # number of the driver's next call
+        self._turns: asyncio.Condition | None = None
+
+    async def _turn(self, seq: int) -> None:
+        """Wait until every call the driver made before this one has started."""
+        if self._turns is None:
+            self._turns = asyncio.Condition()
+        async with self._turns:
+            await self._turns.wait_for(lambda: self._next == seq)
+            self._next += 1
+            self._turns.notify_all()
+
+    async def _run(self, seq: int, fn, *args):
+        await self._turn(seq)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    # -- commands: queued in call order, applied by the worker ---------------------------------
+    async def add_request(self, seq: int, rid: str, state: RequestState, params: SamplingParams) -> None:
+        await self._turn(seq)
+        self.inbox.append(("add", rid, state, params))
+
+    async def abort(self, seq: int, rid: str) -> None:
+        await self._turn(seq)
+        self.inbox.append(("abort", rid))
+
+    async def put(self, seq: int, rid: str, payload: list) -> None:
+        """Take in a migrated request: [the source's `take`], by reference, so this call never
+        waits for the source; the KV is imported once it is in the object store."""
+        await self._turn(seq)
+        self.inbox.append(("put", rid, payload[0]))
+
+    # -- calls that answer -----------------------------------------------------------------------
+    async def info(self) -> tuple[str, int]:
+        return self.engine.model_name, self.engine.max_model_len
+
+    async def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def snapshot(self, seq: int) -> InstanceSnapshot:
+        return await self._run(seq, self._snapshot)
+
+    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool]:
+        return await self._run(seq, self._step)
+
+    async def hand_off(self, seq: int, req_id: int) -> RequestState | None:
+        """Stop running a request here, keeping its KV for a migration (any token position)."""
+        return await self._run(seq, self._hand_off, req_id)
+
+    async def take(self, seq: int, req_id: int, fields: dict, chunk_blocks: int = 16) -> tuple[dict, list] | None:
+        """Give up a handed-off request: its record (with the driver's `fields` decisions) and
+        its KV blocks in chunks of `chunk_blocks` blocks, each its own object in the store."""
+        return await self._run(seq, self._take, req_id, fields, chunk_blocks)
+
+    # -- on the worker thread --------------------------------------------------------------------
+    def _snapshot(self) -> InstanceSnapshot:
+        self._drain()
+        return self.engine.scheduler.snapshot()
+
+    def _step(self):
+        import ray
+
+        self._drain()
+        e = self.engine
+        if self.arriving and not e.has_unfinished():  # only waiting for KV: do not spin
+            ray.wait([ref for _, ref in self.arriving], num_returns=1, timeout=0.01)
+            self._drain()
+        outputs, self.errors = self.errors, []
+        if e.has_unfinished():
+            outputs += e.step()
+        results, e.results = e.results, []
+        self._admit()
+        outputs, self.errors = outputs + self.errors, []
+        busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
+        return outputs, results, e.scheduler.snapshot(), busy
+
+    def _at_boundary(self) -> None:
+        self._drain(only_adds=True)
+
+    def _drain(self, only_adds: bool = False) -> None:
+        if self.arriving and not only_adds:
+            self._receive()
+        while self.inbox:
+            if only_adds and self.inbox[0][0] != "add":
+                return  # keep the order of an abort or a migration and what follows it
+            cmd = self.inbox.popleft()
+            getattr(self, "_apply_" + cmd[0])(*cmd[1:])
+
+    def _apply_add(self, rid: str, state: RequestState, params: SamplingParams) -> None:
+        try:
+            self.engine.add_tracked(self.engine.track(rid, state, params))
+        except ValueError as err:
+            self.errors.append(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(err)))
+
+    def _apply_abort(self, rid: str) -> None:
+        t = self.engine.tracked(rid)
+        if t is not None:
+            self.pending = [(st, kv) for st, kv in self.pending if st.id != t.state.id]
+        self.engine.abort(rid)
+
+    def _apply_put(self, rid: str, ref: Any) -> None:
+        self.arriving.append((rid, ref))
+        self._receive()
+
+    def _receive(self) -> None:
+        """Take in the migrations whose record has reached the object store. One whose
+        source died on the way fails with a clear error."""
+        import ray
+
+        refs = [ref for _, ref in self.arriving]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        waiting = []
+        for rid, ref in self.arriving:
+            if ref not in ready:
+                waiting.append((rid, ref))
+                continue
+            try:
+                payload = ray.get(ref)
+            except ray.exceptions.RayError as err:
+                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", error=(
+                    f"the instance handing this request over failed; its KV cache was lost ({type(err).__name__})")))
+                continue
+            if payload is not None:  # None: it finished or was aborted before it could leave
+                self._attach(payload)
+        self.arriving = waiting
+
+    def _attach(self, payload: tuple[dict, list]) -> None:
+        import torch
+
+        from flowyard.engine.tokenizer import IncrementalDetokenizer
+
+        record, kv = payload
+        e = self.engine
+        st = record["state"]
+        detok = IncrementalDetokenizer(e.tokenizer)
+        detok.ids, detok.prefix_offset, detok.read_offset, detok.text = record["detok"]
+        gen = None
+        if record["generator"] is not None:
+            gen = torch.Generator()
+            gen.set_state(record["generator"])
+        e.attach(TrackedRequest(record["request_id"], st, record["params"], detok, gen, text=record["text"],
+                                emitted=record["emitted"], emitted_tokens=record["emitted_tokens"]))
+        e.scheduler.add_migration(st, e.now())
+        self.pending.append((st, kv))
+
+    def _hand_off(self, req_id: int) -> RequestState | None:
+        self._drain()
+        if not self.engine.holds(req_id):
+            return None
+        return self.engine.scheduler.hand_off(req_id)
+
+    def _take(self, req_id: int, fields: dict, chunk_blocks: int) -> tuple[dict, list] | None:
+        import ray
+
+        self._drain()
+        e = self.engine
+        if not e.holds(req_id):
+            return None  # finished or aborted meanwhile
+        t = e.detach(req_id)
+        st = t.state
+        for k, v in fields.items():
+            setattr(st, k, v)
+        table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
+        kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
+        e.scheduler.release(st.id)
+        record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text,
+                  "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
+                  "generator": None if t.generator is None else t.generator.get_state(),
+                  "detok": (t.detok.ids, t.detok.prefix_offset, t.detok.read_offset, t.detok.text)}
+        return record, kv
+
+    def _admit(self) -> None:
+        """Import the KV of migrations this instance has room for, chunk by chunk in block
+        order. KV lost on the way (its source died) fails that request with a clear error."""
+        import ray
+
+        e = self.engine
+        kv_of = {st.id: kv for st, kv in self.pending}
+        for st in e.scheduler.admit_migrations(e.now()):
+            table = e.kv.block_table(st.id)
+            start = 0
+            try:
+                for ref in kv_of.pop(st.id):
+                    chunk = ray.get(ref)
+                    e.runner.import_kv(table[start:start + chunk.shape[2]], chunk)
+                    start += chunk.shape[2]
+            except Exception as err:  # noqa: BLE001 - any loss of the KV objects
+                rid = e.tracked_by_id(st.id).request_id
+                e.scheduler.migration_arrived(st, e.now())
+                e.abort(rid)
+                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error",
+                                                 error=f"the request's KV cache was lost in transfer ({type(err).__name__})"))
+                continue
+            e.scheduler.migration_arrived(st, e.now())
+        self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]
