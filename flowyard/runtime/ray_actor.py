@@ -79,7 +79,7 @@ class EngineActor:
     async def snapshot(self, seq: int) -> InstanceSnapshot:
         return await self._run(seq, self._snapshot)
 
-    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool]:
+    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any]:
         return await self._run(seq, self._step)
 
     async def hand_off(self, seq: int, req_id: int) -> RequestState | None:
@@ -111,7 +111,7 @@ class EngineActor:
         self._admit()
         outputs, self.errors = outputs + self.errors, []
         busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
-        return outputs, results, e.scheduler.snapshot(), busy
+        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)

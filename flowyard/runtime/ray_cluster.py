@@ -22,6 +22,7 @@ from typing import Any
 from flowyard.cluster.core import DecisionLog
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, new_request
+from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.registry import Policy
@@ -62,6 +63,7 @@ class RayCluster(ClusterBase):
         self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
         self._inflight: dict[int, Any] = {}  # instance -> ObjectRef of the step it is running
         self._sent_during_step: set[int] = set()  # got work after its in-flight step started
+        self._preemption: dict[int, PreemptionStats] = {}  # each instance's, as of its last step
         self.migrations = 0
         self.failures = 0
 
@@ -150,14 +152,21 @@ class RayCluster(ClusterBase):
     def snapshots(self) -> list[InstanceSnapshot]:
         return self._snaps
 
+    @property
+    def preemption_stats(self) -> PreemptionStats:
+        """Operator-level preemptions inside the actors (FlowPrefill), as of their last steps."""
+        return PreemptionStats.merged(list(self._preemption.values()))
+
     def fresh_snapshots(self) -> list[InstanceSnapshot]:
         """Every live instance's snapshot now (waits for steps in flight), e.g. after a drain."""
         return self._ray.get([self._call(i, "snapshot") for i in self.instance_ids()])
 
-    def step(self) -> list[RequestOutput]:
-        """Apply whichever instance steps have finished (waiting for at least one) and start
-        the next step of each such instance at once: instances progress independently, a
-        short decode step never waits for a long prefill step elsewhere."""
+    def step(self, timeout: float | None = 0.005) -> list[RequestOutput]:
+        """Apply whichever instance steps have finished and start the next step of each such
+        instance at once: instances progress independently, a short decode step never waits
+        for a long prefill step elsewhere. Waits at most `timeout` seconds for a step to end
+        (None: until one does), so that a serving loop dispatches new arrivals while steps run:
+        they reach a running prefill at its next operator boundary (FlowPrefill)."""
         self._check_restarts()
         self._periodic(self.has_unfinished())
         outputs: list[RequestOutput] = []
@@ -167,15 +176,15 @@ class RayCluster(ClusterBase):
         if not self._inflight:
             return outputs
         refs = list(self._inflight.values())
-        ready, rest = self._ray.wait(refs, num_returns=1)
-        if rest:
+        ready, rest = self._ray.wait(refs, num_returns=1, timeout=timeout)
+        if rest and ready:
             ready += self._ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         by_ref = {ref: i for i, ref in self._inflight.items()}
         for ref in ready:
             i = by_ref[ref]
             del self._inflight[i]
             try:
-                outs, results, snap, still_busy = self._ray.get(ref)
+                outs, results, snap, still_busy, self._preemption[i] = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
                 outputs += self._instance_died(i)
                 continue
