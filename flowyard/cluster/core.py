@@ -158,9 +158,10 @@ class ClusterCore:
         return dst
 
     # -- migration and ticks -------------------------------------------------------------------
-    def migrate(self, st: RequestState, src: int, dst: int, now: float) -> bool:
-        """Move a running request to dst at whatever token it has reached."""
-        if src == dst or not self.transport.hand_off(src, st):
+    def migrate(self, st: RequestState, src: int, dst: int, now: float, handed_off: bool = False) -> bool:
+        """Move a running request to dst at whatever token it has reached (handed_off: the
+        executor has already taken it off src, as a driver must to read a remote state)."""
+        if src == dst or not (handed_off or self.transport.hand_off(src, st)):
             return False
         if self.log is not None:
             self.log.add(now, "migrate", st.id, src=src, dst=dst)
