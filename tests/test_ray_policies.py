@@ -119,3 +119,65 @@ def test_flowprefill_preempts_a_running_prefill_inside_an_actor(ray_session):
         assert cluster.preemption_stats.count == 1
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("name", ["distserve", "arrow", "dynaserve"])
+def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_session):
+    """Instance 1 dies while requests run: each ends with one engine's tokens or with an
+    error that says what happened, the driver keeps serving, the replacement rejoins, and
+    no KV block stays held anywhere after the drain."""
+    import time
+
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, ref = tiny
+    opts = PolicyOptions(num_instances=2, chunk_size=32, max_num_seqs=8,
+                         predictor=make_cost_model("smollm2-135m", "cpu"))
+    cluster = RayCluster(d, build_policy(name, opts), CONFIG)
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    ref_long = {f"r{i}": None for i in range(len(PROMPTS))}
+    try:
+        got: dict[str, list[int]] = {}
+        ends: dict[str, tuple[str, str | None]] = {}
+        for i, p in enumerate(PROMPTS):
+            cluster.add_request(f"r{i}", p, long)
+            got[f"r{i}"] = []
+        while sum(map(len, got.values())) < 3 * len(PROMPTS):  # everything is under way
+            for o in cluster.step():
+                got[o.request_id] += o.new_token_ids
+        ray.kill(cluster.actors[1], no_restart=True)
+        while cluster.has_unfinished():
+            for o in cluster.step():
+                got[o.request_id] += o.new_token_ids
+                if o.finished:
+                    ends[o.request_id] = (o.finish_reason, o.error)
+        assert set(ends) == set(got)  # every request ended, one way or the other
+        reference = LLMEngine(*_tiny_model(d), EngineConfig(kv_cache_tokens=4096))
+        for rid, (reason, error) in ends.items():
+            if reason == "length":
+                if ref_long[rid] is None:
+                    ref_long[rid] = reference.generate([PROMPTS[int(rid[1:])]], long)[0].new_token_ids
+                assert got[rid] == ref_long[rid]
+            else:
+                assert reason == "error" and "instance" in error and ("died" in error or "down" in error
+                                                                      or "lost" in error), error
+        assert any(r == "error" for r, _ in ends.values())  # the kill did cost something
+        assert cluster.failures == 1 and "instance 1 is down" in cluster.health_detail
+        for _ in range(400):  # the replacement loads and rejoins
+            cluster.step()
+            if not cluster.health_detail:
+                break
+            time.sleep(0.05)
+        assert not cluster.health_detail
+        snaps = cluster.fresh_snapshots()
+        assert len(snaps) == 2 and all(s.kv_free_blocks == s.kv_total_blocks for s in snaps)
+        assert run(cluster, PROMPTS[:2]) == ref[:2]  # and it serves again
+    finally:
+        cluster.shutdown()
+
+
+def _tiny_model(d):
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    return model, ckpt.tokenizer

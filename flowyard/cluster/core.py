@@ -43,6 +43,9 @@ class Transport(Protocol):
         """Continue st, whose KV sits on src, on dst: dst admits it when it has room, then
         its KV is copied and src releases it."""
 
+    def fail(self, instance: int, st: RequestState, reason: str) -> None:
+        """End st, held on instance, with an error that says `reason` (nowhere to go on)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -89,6 +92,7 @@ class ClusterCore:
         # the ClusterView calls go straight to the transport: policies call them on every arrival
         self.instances = transport.instance_ids  # type: ignore[method-assign]
         self.snapshot = transport.snapshot  # type: ignore[method-assign]
+        self._decode_role = Role.DECODE in policy.roles
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
 
     # -- ClusterView --------------------------------------------------------------------------
@@ -134,6 +138,10 @@ class ClusterCore:
         for st in result.finished:
             gs.on_finished(st, now)
         moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
+        for st, dst in moves:
+            if dst is None:
+                self.transport.fail(instance, st, "every decode instance is down (restarting): the request cannot continue; retry")
+        moves = [(st, dst) for st, dst in moves if dst is not None]
         if gs.routes_decode:
             for st in result.prefilled:
                 dst = gs.route_decode(st, instance, self, now)
@@ -147,10 +155,13 @@ class ClusterCore:
             self.transport.move(instance, dst, st, now)
         return moves
 
-    def _continue_at(self, st: RequestState, src: int, now: float) -> int:
-        """Where a handed-off request continues: its micro-request plan, else the decode router."""
+    def _continue_at(self, st: RequestState, src: int, now: float) -> int | None:
+        """Where a handed-off request continues: its micro-request plan, else the decode router
+        (None: the policy has decode instances and none of them is up)."""
         if st.split_to is not None:
             dst, st.split_to = st.split_to, None
+        elif self._decode_role and not self.transport.instance_ids(Role.DECODE):
+            return None
         else:
             dst = self.gs.route_decode(st, src, self, now)
         if self.log is not None:

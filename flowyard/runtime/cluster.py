@@ -49,6 +49,7 @@ class LocalCluster(ClusterBase):
         self.max_model_len = min(e.max_model_len for e in self.engines)
         self._new: dict[int, TrackedRequest] = {}  # being routed, not yet queued anywhere
         self._kv_home: dict[int, int] = {}  # migrating request (int id) -> instance holding its KV
+        self._failed: list[RequestOutput] = []  # ended by the cluster, reported with the next step
         self.migrations = 0
 
     # -- Transport for the cluster core ---------------------------------------------------------
@@ -78,6 +79,13 @@ class LocalCluster(ClusterBase):
         self._kv_home[st.id] = src
         target.scheduler.add_migration(st, now)
         self._admit(target)
+
+    def fail(self, instance: int, st: RequestState, reason: str) -> None:
+        engine = self.engines[instance]
+        rid = engine.tracked_by_id(st.id).request_id
+        engine.abort(rid)
+        self._where.pop(rid, None)
+        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason))
 
     def _admit(self, dst: LLMEngine) -> None:
         for st in dst.scheduler.admit_migrations(self.now()):
@@ -142,7 +150,7 @@ class LocalCluster(ClusterBase):
         return engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.engines)
+        return any(e.has_unfinished() for e in self.engines) or bool(self._failed)
 
     def snapshots(self) -> list[InstanceSnapshot]:
         return [e.scheduler.snapshot() for e in self.engines]
@@ -153,7 +161,7 @@ class LocalCluster(ClusterBase):
     def step(self) -> list[RequestOutput]:
         """One step of every instance that has work, each followed by the cluster core's
         hand-offs, decode routing and moves for what that step produced."""
-        outputs: list[RequestOutput] = []
+        outputs, self._failed = self._failed, []
         self._periodic(self.has_unfinished())
         for engine in self.engines:
             if not engine.has_unfinished():

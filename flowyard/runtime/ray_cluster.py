@@ -63,6 +63,7 @@ class RayCluster(ClusterBase):
         self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
         self._inflight: dict[int, Any] = {}  # instance -> ObjectRef of the step it is running
         self._sent_during_step: set[int] = set()  # got work after its in-flight step started
+        self._failed: list[RequestOutput] = []  # ended by the driver, reported with the next step
         self._preemption: dict[int, PreemptionStats] = {}  # each instance's, as of its last step
         self.migrations = 0
         self.failures = 0
@@ -96,6 +97,9 @@ class RayCluster(ClusterBase):
 
     def add(self, instance: int, st: RequestState, now: float) -> bool:
         """Refusals come back with the actor's next step (the driver never waits on it)."""
+        if instance in self._down:  # a policy that kept its own view of the instances
+            st.reject_reason = f"instance {instance} is down (restarting); retry"
+            return False
         self._call(instance, "add_request", self._rid[st.id], st, self._new[st.id])
         self._mark_busy(instance)
         snap = self._snaps[instance]  # count it in until the instance's next snapshot (vLLM does too)
@@ -111,10 +115,19 @@ class RayCluster(ClusterBase):
         blocks the driver; the driver's decisions on the request travel with it."""
         fields = {"split_to": st.split_to, "prefill_instance": st.prefill_instance}
         rid = self._rid[st.id]
+        if dst in self._down:  # nowhere to go: fail it now rather than leave it waiting
+            self.fail(src, st, f"instance {dst}, where the request was to continue, is down; retry")
+            return
         self._call(dst, "put", rid, [self._call(src, "take", st.id, fields)])
         self._where[rid] = dst
         self._mark_busy(dst)
         self.migrations += 1
+
+    def fail(self, instance: int, st: RequestState, reason: str) -> None:
+        rid = self._rid.pop(st.id)
+        self._call(instance, "abort", rid)
+        self._where.pop(rid, None)
+        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason))
 
     # -- the engine surface ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -147,7 +160,7 @@ class RayCluster(ClusterBase):
         return RequestOutput(request_id, finished=True, finish_reason="abort")
 
     def has_unfinished(self) -> bool:
-        return any(self._busy) or bool(self._inflight)
+        return any(self._busy) or bool(self._inflight) or bool(self._failed)
 
     def snapshots(self) -> list[InstanceSnapshot]:
         return self._snaps
@@ -169,7 +182,7 @@ class RayCluster(ClusterBase):
         they reach a running prefill at its next operator boundary (FlowPrefill)."""
         self._check_restarts()
         self._periodic(self.has_unfinished())
-        outputs: list[RequestOutput] = []
+        outputs, self._failed = self._failed, []
         for i, busy in enumerate(self._busy):
             if busy and i not in self._down and i not in self._inflight:
                 self._inflight[i] = self._call(i, "step")

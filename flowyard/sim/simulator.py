@@ -219,6 +219,9 @@ class Simulator:
         self._interrupt(target)
         self._start_transfers(target)
 
+    def fail(self, instance: int, st: RequestState, reason: str) -> None:
+        raise SimulationError(f"request {st.id} on instance {instance}: {reason}")  # no faults here
+
     def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:
         """Suspend inst's plan at the first preemption boundary not before now (the rest of the
         operator in flight is the blocking time); a plan that ends first just completes."""
