@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import StepOutput
+from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
 from flowyard.engine.model import LAYER_OPS, CausalLM
@@ -125,6 +125,9 @@ class LLMEngine:
         # a cluster runtime takes them after every step for its cluster core; a lone engine
         # keeps only the last one
         self.results: list[StepResult] = []
+        # called when a plan's forward pass is done, before its outputs are applied: the
+        # two-executor guard advances a virtual clock by the cost model's step time there
+        self.on_executed: Callable[[StepPlan], None] | None = None
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
@@ -256,6 +259,17 @@ class LLMEngine:
         return bool(self._by_int)
 
     @property
+    def wake_time(self) -> float | None:
+        """When the scheduler asked to be called again after a step that found nothing to run."""
+        t = self._idle_until
+        return None if t is None or t == float("inf") else t
+
+    @property
+    def idle(self) -> bool:
+        """No step to run until an event (or a wake-up time) comes: the last step found none."""
+        return not self._by_int or self._idle_until is not None
+
+    @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
@@ -279,6 +293,8 @@ class LLMEngine:
                 return []
         else:
             logits, samplers = self.runner.execute(plan)
+        if self.on_executed is not None:
+            self.on_executed(plan)
         if any(s.id not in self._by_int for s in samplers):  # aborted while its task was parked
             rows = [i for i, s in enumerate(samplers) if s.id in self._by_int]
             logits, samplers = logits[rows], [samplers[i] for i in rows]

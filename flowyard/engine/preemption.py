@@ -81,6 +81,7 @@ class ExecutionPool:
         self.boundary_hook: Callable[[], None] | None = None
         self.stats = PreemptionStats()
         self.running: StepPlan | None = None
+        self.ops = 0  # operators of the running plan done at the last boundary
         self._signal: float | None = None  # when the event that asked for preemption arrived
         self._suspended: dict[int, tuple[StepPlan, ForwardGen, list[RequestState]]] = {}
 
@@ -107,6 +108,7 @@ class ExecutionPool:
                 if ops % stride or ops >= self.total_ops:
                     continue
                 if self.boundary_hook is not None:
+                    self.ops = ops  # operators done, for a hook that keeps a virtual clock
                     self.boundary_hook()
                 if self._signal is not None:
                     now = self.clock()

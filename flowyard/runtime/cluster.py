@@ -8,10 +8,17 @@ same for a transport between processes).
 
 `LocalCluster` has the surface `AsyncLLMEngine` drives (add_request, abort, step,
 has_unfinished, ...), so the OpenAI server serves a cluster exactly as it serves one engine.
+
+The engines share one thread, so they take turns on it exactly as the simulator's
+`shared_device` instances take turns on their device: first come, first served, an engine
+that just ran a step going to the back of the queue before whatever its step sent elsewhere.
+With a virtual clock (`clock=`) and the hooks the two-executor guard uses, both executors
+therefore make the same decisions at the same times (tests/test_two_executors.py).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from typing import Callable
@@ -50,6 +57,9 @@ class LocalCluster(ClusterBase):
         self._new: dict[int, TrackedRequest] = {}  # being routed, not yet queued anywhere
         self._kv_home: dict[int, int] = {}  # migrating request (int id) -> instance holding its KV
         self._failed: list[RequestOutput] = []  # ended by the cluster, reported with the next step
+        self._ready: collections.deque[int] = collections.deque()  # engines waiting for the thread
+        self._running: int | None = None
+        self._timers: dict[int, float] = {}  # idle engine -> when its scheduler asked to be woken
         self.migrations = 0
 
     # -- Transport for the cluster core ---------------------------------------------------------
@@ -65,6 +75,7 @@ class LocalCluster(ClusterBase):
         except ValueError as e:
             st.reject_reason = str(e)
             return False
+        self._kick(instance)
         return True
 
     def hand_off(self, instance: int, st: RequestState) -> bool:
@@ -94,16 +105,39 @@ class LocalCluster(ClusterBase):
             data = src.runner.export_kv(src.kv.block_table(st.id)[:n])
             dst.runner.import_kv(dst.kv.block_table(st.id)[:n], data)
             src.scheduler.release(st.id)
+            self._kick(src.instance)
             dst.scheduler.migration_arrived(st, self.now())
+            self._kick(dst.instance)
             self.migrations += 1
+
+    def _kick(self, i: int) -> None:
+        """Something reached engine i: unless it is running or already queued, it queues for
+        the thread (the simulator's `_kick`)."""
+        if i != self._running and i not in self._ready:
+            self._ready.append(i)
+
+    def wake_due(self, now: float) -> None:
+        """Engines whose scheduler's wake-up time (a batching window closing) has come queue
+        up, earliest first."""
+        for i, t in sorted(self._timers.items(), key=lambda it: (it[1], it[0])):
+            if t <= now:
+                del self._timers[i]
+                self._kick(i)
+
+    def next_wake(self) -> float | None:
+        return min(self._timers.values(), default=None)
 
     # -- the engine surface ---------------------------------------------------------------------
     def now(self) -> float:
         return self.engines[0].now()
 
     def wake_delay(self) -> float | None:
-        """The soonest any instance has something to run (see LLMEngine.wake_delay)."""
-        delays = [d for e in self.engines if e.has_unfinished() and (d := e.wake_delay()) is not None]
+        """Seconds until `step` has something to do: 0 while an engine is queued, else the
+        next wake-up time or periodic tick, None if only an event can help."""
+        if self._ready:
+            return 0.0
+        now = self.now()
+        delays = [max(0.0, t - now) for t in self._timers.values()]
         if (tick := self._tick_delay()) is not None and self.has_unfinished():
             delays.append(tick)
         return min(delays) if delays else None
@@ -146,7 +180,10 @@ class LocalCluster(ClusterBase):
         engine = self.engines[where]
         tracked = engine.tracked(request_id)
         if tracked is not None and tracked.state.id in self._kv_home:  # KV still at the source
-            self.engines[self._kv_home.pop(tracked.state.id)].scheduler.abort(tracked.state.id)
+            home = self._kv_home.pop(tracked.state.id)
+            self.engines[home].scheduler.abort(tracked.state.id)
+            self._kick(home)
+        self._kick(where)  # the KV it frees may let queued work run
         return engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -159,14 +196,30 @@ class LocalCluster(ClusterBase):
         return sum(getattr(e.kv, "hit_rate", 0.0) for e in self.engines) / len(self.engines)
 
     def step(self) -> list[RequestOutput]:
-        """One step of every instance that has work, each followed by the cluster core's
-        hand-offs, decode routing and moves for what that step produced."""
+        """One step of the engine at the head of the queue (engines with nothing to run are
+        passed over), then the cluster core's hand-offs, decode routing and moves for what
+        that step produced."""
         outputs, self._failed = self._failed, []
         self._periodic(self.has_unfinished())
-        for engine in self.engines:
-            if not engine.has_unfinished():
-                continue
-            outs = engine.step()
+        self.wake_due(self.now())
+        for e in self.engines:  # a safety net: work that reached an engine some other way
+            if not e.idle and e.instance not in self._ready:
+                self._ready.append(e.instance)
+        while self._ready:
+            i = self._ready.popleft()
+            engine = self.engines[i]
+            self._running = i
+            try:
+                outs = engine.step()
+            finally:
+                self._running = None
+            if engine.idle:  # found nothing to run: wait for an event or its wake-up time
+                if engine.wake_time is not None:
+                    self._timers[i] = engine.wake_time
+                if not outs:
+                    continue
+            else:
+                self._kick(i)  # to the back, before whatever its step sends elsewhere
             outputs += outs
             for out in outs:
                 if out.finished:
@@ -174,8 +227,9 @@ class LocalCluster(ClusterBase):
             results, engine.results = engine.results, []
             for result in results:
                 self._finished(result.finished)
-                self.core.stepped(engine.instance, result, self.now())
+                self.core.stepped(i, result, self.now())
             self._admit(engine)
+            break
         return outputs
 
     def migrate(self, request_id: str, dst: int) -> bool:
