@@ -14,7 +14,7 @@ from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
-from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator
 
@@ -74,3 +74,51 @@ def test_simulator_and_engine_make_the_same_decisions(tmp_path):
     assert any(s.n < PROMPTS[s.state.id] for p in real for s in p.prefills)  # chunking happened
     assert sum(s.preemptions for s in result.states) > 0  # and so did recompute preemption
     assert not engine.kv.leaked()
+
+
+# -- the guard widened: every policy, several instances, decisions compared event by event ------
+
+GUARD_BLOCK, GUARD_KV = 8, 1024
+
+
+def guard_jobs():
+    import random
+
+    from guard_driver import Job
+    from flowyard.core.request import SLO
+
+    rng = random.Random(7)
+    jobs, t = [], 0.0
+    for i in range(14):
+        t += rng.choice([0.0005, 0.002, 0.004, 0.01])
+        n = rng.choice([6, 12, 30, 70, 110])
+        jobs.append(Job(round(t, 6), [(5 * i + j) % 200 + 3 for j in range(n)], rng.choice([3, 6, 12, 20]),
+                        SLO(ttft=rng.choice([0.02, 0.05, 0.3]), tpot=0.05)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def guard_model(tmp_path_factory):
+    pytest.importorskip("transformers")
+    d, _ = make_tiny_model(tmp_path_factory.mktemp("guard"), "llama")
+    ckpt = load_checkpoint(d)
+    model = CausalLM(ckpt.config)
+    model.load_weights(ckpt.weights)
+    return model, ckpt.tokenizer
+
+
+@pytest.mark.parametrize("name", list(POLICY_NAMES))
+def test_simulator_and_cluster_decide_the_same_event_by_event(name, guard_model):
+    from guard_driver import profile_cost, run_cluster, simulate
+
+    model, tok = guard_model
+    cost = profile_cost(capacity=GUARD_KV)
+    jobs = guard_jobs()
+    opts = PolicyOptions(num_instances=3 if name.startswith(("pla", "arrow")) else 2, chunk_size=32,
+                         max_num_seqs=4, predictor=cost)
+    sim = simulate(name, jobs, cost, opts, GUARD_BLOCK)
+    real, tokens = run_cluster(name, jobs, cost, opts, model, tok, GUARD_BLOCK, GUARD_KV)
+    assert real.without_time() == sim.without_time()
+    assert [d.t for d in real.decisions] == pytest.approx([d.t for d in sim.decisions], abs=1e-9)
+    assert len(sim.decisions) >= len(jobs)  # at least every route
+    assert all(len(tokens[f"r{i}"]) == j.max_tokens for i, j in enumerate(jobs))

@@ -85,6 +85,11 @@ class ExecutionPool:
         self._signal: float | None = None  # when the event that asked for preemption arrived
         self._suspended: dict[int, tuple[StepPlan, ForwardGen, list[RequestState]]] = {}
 
+    @property
+    def signalled(self) -> bool:
+        """A preemption of the running task was asked for and has not happened yet."""
+        return self._signal is not None
+
     def signal(self, since: float) -> None:
         """The scheduler wants the running task off the device (since = the triggering
         event's arrival time, on the engine clock)."""

@@ -70,11 +70,15 @@ class LocalCluster(ClusterBase):
         return self.engines[instance].scheduler.snapshot()
 
     def add(self, instance: int, st: RequestState, now: float) -> bool:
+        engine = self.engines[instance]
+        signalled = engine.pool.signalled
         try:
-            self.engines[instance].add_tracked(self._new[st.id])
+            engine.add_tracked(self._new[st.id])
         except ValueError as e:
             st.reject_reason = str(e)
             return False
+        if engine.pool.signalled and not signalled:  # it preempts the prefill in flight there
+            self.core.preempted(instance, now, engine.pool.ops)
         self._kick(instance)
         return True
 
@@ -213,8 +217,9 @@ class LocalCluster(ClusterBase):
                 outs = engine.step()
             finally:
                 self._running = None
-            if engine.idle:  # found nothing to run: wait for an event or its wake-up time
-                if engine.wake_time is not None:
+
+            if engine.idle and not engine.results:  # found nothing to run: wait for an event
+                if engine.wake_time is not None:  # ... or its wake-up time
                     self._timers[i] = engine.wake_time
                 if not outs:
                     continue

@@ -18,6 +18,7 @@ stepping one token at a time.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import time
@@ -84,6 +85,7 @@ class Simulator:
         # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
         self.shared_device = shared_device
         self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
+        self._device_queue: collections.deque[SimInstance] = collections.deque()  # waiting for it
         self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
                           for i in range(len(policy.roles))]
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
@@ -157,8 +159,11 @@ class Simulator:
                 if version == inst.version:
                     self._complete(inst, len(inst.ends))
             elif kind == SCHEDULE:
-                payload.wake_pending = False  # type: ignore[attr-defined]
-                self._start_step(payload)  # type: ignore[arg-type]
+                if self.shared_device:
+                    self._queue_for_device(payload)  # type: ignore[arg-type]
+                else:
+                    payload.wake_pending = False  # type: ignore[attr-defined]
+                    self._start_step(payload)  # type: ignore[arg-type]
             elif kind == ARRIVAL:
                 self._send(self.arrivals.on_arrival(payload, t))  # type: ignore[arg-type]
                 self._arrive(payload)  # type: ignore[arg-type]
@@ -329,12 +334,21 @@ class Simulator:
             inst.timer_at = None
             self._kick(inst)
 
+    def _queue_for_device(self, inst: SimInstance) -> None:
+        """shared_device: instances take the device first come, first served (in the order
+        they were kicked; one that just ran a step is kicked at its end, so it goes to the
+        back), and whenever it is free the head of the queue plans its step. An engine loop
+        that steps several engines in one thread (`LocalCluster`) does exactly this."""
+        if inst not in self._device_queue:
+            self._device_queue.append(inst)
+        queue = self._device_queue
+        while queue and self._device_free <= self.now:
+            head = queue.popleft()
+            head.wake_pending = False
+            self._start_step(head)
+
     def _start_step(self, inst: SimInstance) -> None:
         if inst.plan is not None:
-            return
-        if self.shared_device and self._device_free > self.now:  # plan when the device is free
-            inst.wake_pending = True
-            self._push(self._device_free, SCHEDULE, inst)
             return
         plan = inst.sched.schedule(self.now)
         if plan is None:
