@@ -47,9 +47,11 @@ def external_cluster(tmp_path_factory):
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster):
+@pytest.mark.parametrize("policy", ["distserve", "dynaserve"])
+def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster, policy):
     """`flowyard serve --ray-address` in its own process, as a user runs it: the instances are
-    actors of the external cluster, and a completion gives the in-process engine's text."""
+    actors of the external cluster, and a completion gives the in-process engine's text (for
+    an SLO-aware policy too: serve gives it the served model's roofline as its predictor)."""
     pytest.importorskip("transformers")
     import json
     import sys
@@ -66,7 +68,7 @@ def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster):
     port = _free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     server = subprocess.Popen([sys.executable, "-m", "flowyard.cli", "serve", "--model", str(d), "--instances", "2",
-                               "--policy", "distserve", "--ray-address", external_cluster, "--port", str(port)],
+                               "--policy", policy, "--ray-address", external_cluster, "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -84,7 +86,7 @@ def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster):
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
             name = json.loads(r.read())["data"][0]["id"]
         body = json.dumps({"model": name, "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
-                           "ignore_eos": True}).encode()
+                           "ignore_eos": True, "session_id": "s1", "task": "chat", "ttft_slo": 5}).encode()
         req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.loads(r.read())

@@ -129,3 +129,42 @@ def test_global_scheduler_ticks_on_real_instances(tiny):
     n = len(ticks)
     cluster.step()  # idle: no tick
     assert len(ticks) == n and cluster.wake_delay() is None
+
+
+def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp_path):
+    """Under `serve` the policy routes the request itself, not a stand-in: a session's second
+    turn carries its turn number and the history it shares with the first turn's prompt and
+    reply, and PLA-Serve's session affinity sends it home."""
+    from helpers_models import load_model, make_tiny_model
+    from flowyard.cluster.core import DecisionLog
+    from flowyard.costmodel import make_cost_model
+    from flowyard.engine.llm_engine import EngineConfig
+    from flowyard.engine.sampling import SamplingParams
+    from flowyard.policies.pla import PLAConfig
+    from flowyard.policies.registry import PolicyOptions, build_policy
+    from flowyard.runtime.cluster import LocalCluster
+
+    pytest.importorskip("transformers")
+    model, tok = load_model(make_tiny_model(tmp_path, "llama")[0])
+    seen = []
+    policy = build_policy("pla", PolicyOptions(num_instances=3, num_prefill=2,
+                                               predictor=make_cost_model("smollm2-135m", "cpu"),
+                                               pla=PLAConfig(affinity_tolerance=10.0)))
+    route = policy.global_scheduler.route
+    policy.global_scheduler.route = lambda req, view, now: seen.append(req) or route(req, view, now)
+    log = DecisionLog()
+    cluster = LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=2048), decisions=log)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = [(5 * j) % 200 + 3 for j in range(40)]
+    cluster.add_request("t0", first, greedy, session="chat-1", task="chat")
+    reply: list[int] = []
+    while cluster.has_unfinished():
+        reply += [t for o in cluster.step() for t in o.new_token_ids]
+    cluster.add_request("t1", first + reply + [9, 10, 11], greedy, session="chat-1", task="chat")
+    while cluster.has_unfinished():
+        cluster.step()
+    assert [r.id for r in seen] == [0, 1] and all(r.task == "chat" and r.session == "chat-1" for r in seen)
+    assert (seen[0].turn, seen[0].history_len) == (0, 0)
+    assert (seen[1].turn, seen[1].history_len) == (1, len(first) + len(reply))
+    routes = [d.dst for d in log.decisions if d.kind == "route"]
+    assert routes[0] == routes[1]  # home: where the first turn's history is cached

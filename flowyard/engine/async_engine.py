@@ -44,7 +44,8 @@ class AsyncLLMEngine:
 
     # -- EngineClient -----------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None,
+        session: str | None = None, task: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._error:
             raise RuntimeError(f"engine failed: {self._error}")
@@ -56,7 +57,8 @@ class AsyncLLMEngine:
             self._pending += 1
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", request_id, prompt_ids, params, slo, time.monotonic()))
+        fields = {k: v for k, v in (("session", session), ("task", task)) if v is not None}
+        self._commands.put(("add", request_id, prompt_ids, params, slo, time.monotonic(), fields))
         finished = False
         try:
             while True:
@@ -99,11 +101,11 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, slo, arrival = cmd  # "wake" commands fall through
+            _, rid, prompt, params, slo, arrival, fields = cmd  # "wake" commands fall through
             with self._lock:
                 self._pending -= 1
             try:
-                self.engine.add_request(rid, prompt, params, slo, arrival=arrival)
+                self.engine.add_request(rid, prompt, params, slo, arrival=arrival, **fields)
             except ValueError as e:
                 self._deliver(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
         elif cmd[0] == "abort":

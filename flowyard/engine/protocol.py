@@ -46,7 +46,8 @@ class EngineClient(Protocol):
     tokenizer: TokenizerLike
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None,
+        session: str | None = None, task: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises QueueFullError at once if it cannot be queued.
         Cancelling the iteration (client gone) aborts the request and frees its KV."""

@@ -240,3 +240,16 @@ def build_policy(name: str, options: PolicyOptions | None = None) -> Policy:
             f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
         )
     return _BUILDERS[key](key, options or PolicyOptions())
+
+
+def policy_requires_predictor(name: str) -> bool:
+    """Whether policy `name` predicts step or TTFT times: its builder refuses to assemble it
+    without `PolicyOptions.predictor` (so this follows the builders, never a list kept apart)."""
+    key = name.lower()
+    if key not in _BUILDERS:
+        raise UnknownPolicyError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")
+    try:
+        _BUILDERS[key](key, PolicyOptions(num_instances=4, num_prefill=2))
+    except ValueError as e:
+        return "predictor" in str(e)
+    return False

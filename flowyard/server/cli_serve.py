@@ -66,17 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = None
     if args.instances > 1 or args.policy != "vllm" or use_ray:
         from flowyard.policies.flowprefill import FlowPrefillConfig
-        from flowyard.policies.registry import PolicyOptions, build_policy
+        from flowyard.policies.registry import PolicyOptions, build_policy, policy_requires_predictor
 
-        slo_aware = args.policy.lower() in ("flowprefill", "pla", "pla-spatial", "pla-mix", "arrow", "arrow-minload",
-                                            "arrow-rr", "dynaserve")
-        if slo_aware and use_ray:
-            raise ValueError(f"--policy {args.policy} runs its instances in the serving process "
-                             "(preemption at operator boundaries, shared pools): run it without --ray")
+        # Every policy runs in one process or on Ray alike. A policy that predicts step times
+        # (SLO-aware ones) gets this engine's profile or the served model's roofline; the
+        # registry says which do, so serve never keeps its own list.
+        predictor = _predictor(args) if policy_requires_predictor(args.policy) else None
         policy = build_policy(args.policy, PolicyOptions(
             num_instances=args.instances, num_prefill=args.prefill_instances,
-            chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            predictor=_predictor(args) if slo_aware else None,
+            chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, predictor=predictor,
             flowprefill=FlowPrefillConfig(granularity=args.preemption, max_num_seqs=args.max_num_seqs)))
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster

@@ -61,6 +61,10 @@ class _SamplingRequest(_Body):
     tpot_slo: float | None = Field(None, gt=0)
     tbt_slo: float | None = Field(None, gt=0)
     slo: SLOSpec | None = None
+    # flowyard extension: the conversation a request continues (PLA-Serve's session affinity
+    # and re-prefill of its history) and a task tag (DynaServe learns output lengths per task)
+    session_id: str | None = Field(None, min_length=1, max_length=256)
+    task: str | None = Field(None, min_length=1, max_length=64)
     # known but unsupported unless left at their neutral value (checked in serving.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -53,6 +53,13 @@ class Prepared:
     stream: bool
     include_usage: bool
     created: int
+    session: str | None = None
+    task: str | None = None
+
+    @property
+    def routing(self) -> dict:
+        """What the global scheduler learns besides the prompt (only what the client gave)."""
+        return {k: v for k, v in (("session", self.session), ("task", self.task)) if v is not None}
 
 
 async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
@@ -166,7 +173,7 @@ def _finish(req: _SamplingRequest, kind: str, served: str, prompt_ids: list[int]
                        default_max_tokens, prompt_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Prepared(f"{kind}-{uuid.uuid4().hex}", served, prompt_ids, params, _slo(req), req.stream,
-                    include_usage, int(time.time()))
+                    include_usage, int(time.time()), req.session_id, req.task)
 
 
 def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, served: str,
@@ -220,7 +227,8 @@ class Generation:
 
     def start(self) -> None:
         try:
-            self._it = aiter(self.engine.generate(self.p.request_id, self.p.prompt_ids, self.p.params, slo=self.p.slo))
+            self._it = aiter(self.engine.generate(self.p.request_id, self.p.prompt_ids, self.p.params, slo=self.p.slo,
+                                                     **self.p.routing))
         except QueueFullError as e:
             self.finished = True  # never queued: nothing to abort
             raise queue_full(e) from None
