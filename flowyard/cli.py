@@ -109,8 +109,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _validate_names(args, [args.policy])
     cfg = _config(args, args.policy)
     workload = load_workload(cfg)
+    timeline = None
+    if args.timeline:
+        from flowyard.cluster.timeline import Timeline
+
+        timeline = Timeline()
     with _progress(not args.quiet, f"simulating {cfg.policy}") as progress:
-        summary, result = simulate(cfg, workload, progress=progress)
+        summary, result = simulate(cfg, workload, progress=progress, timeline=timeline)
+    if timeline is not None:
+        timeline.write(args.timeline)
+        print(f"wrote the timeline to {args.timeline} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     print(format_table(summary))
     if cfg.concurrency is not None:
         print(f"closed loop: {cfg.concurrency} clients, think time {cfg.think_time:g} s "
@@ -218,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="vllm", help="scheduling policy")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write the TTFT CDF as PNG")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="write a Chrome/Perfetto trace of steps, KV transfers, decisions and requests")
     p.set_defaults(func=cmd_simulate)
     g = sub.add_parser("goodput", help="search the goodput of several policies on one workload")
     _add_workload_flags(g)

@@ -57,13 +57,13 @@ class Job:
     slo: object
 
 
-def simulate(name: str, jobs: list[Job], cost, opts: PolicyOptions, block: int) -> DecisionLog:
-    log = DecisionLog()
+def simulate(name: str, jobs: list[Job], cost, opts: PolicyOptions, block: int, timeline=None) -> DecisionLog:
+    log = timeline.log if timeline is not None else DecisionLog()
     reqs = [Request(i, j.arrival, prompt_len=len(j.prompt), max_tokens=j.max_tokens, slo=j.slo)
             for i, j in enumerate(jobs)]
     n = opts.num_instances
     Simulator(reqs, build_policy(name, opts), cost, Topology(n, ZeroLink(), ZeroLink()), block_size=block,
-              shared_device=True, decisions=log).run()
+              shared_device=True, decisions=log, timeline=timeline).run()
     return log
 
 
@@ -76,12 +76,13 @@ class VirtualClock:
 
 
 def run_cluster(name: str, jobs: list[Job], cost, opts: PolicyOptions, model, tok, block: int,
-                kv_tokens: int) -> tuple[DecisionLog, dict[str, list[int]]]:
-    clock, log = VirtualClock(), DecisionLog()
+                kv_tokens: int, timeline=None) -> tuple[DecisionLog, dict[str, list[int]]]:
+    clock = VirtualClock()
+    log = timeline.log if timeline is not None else DecisionLog()
     policy = build_policy(name, opts)
     cluster = LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=kv_tokens, block_size=block,
                                                             enable_prefix_caching=False),
-                           decisions=log, clock=clock)
+                           decisions=log, clock=clock, timeline=timeline)
     period = policy.global_scheduler.period
     cluster.ticker.period = None  # this driver delivers ticks on the simulator's schedule
     pending = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival, i))

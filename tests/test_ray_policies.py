@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from helpers_models import make_tiny_model
-from flowyard.cluster.core import DecisionLog
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import SLO
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
@@ -65,15 +65,20 @@ def test_every_policy_on_ray_gives_one_engines_tokens(name, tiny, ray_session):
     from flowyard.runtime.ray_cluster import RayCluster
 
     d, ref = tiny
-    log = DecisionLog()
+    timeline = Timeline()
+    log = timeline.log
     opts = PolicyOptions(num_instances=2, chunk_size=32, max_num_seqs=8,
                          predictor=make_cost_model("smollm2-135m", "cpu"))
-    cluster = RayCluster(d, build_policy(name, opts), CONFIG, decisions=log)
+    cluster = RayCluster(d, build_policy(name, opts), CONFIG, timeline=timeline)
     try:
         assert run(cluster, PROMPTS) == ref
         kinds = log.kinds()
         print(name, sorted(kinds), cluster.migrations)
         assert "route" in kinds and EXPECTED.get(name, set()) <= kinds
+        # the timeline has what the actors ran and moved, on the driver's clock
+        assert {"route", "request"} <= timeline.kinds() and timeline.kinds() & {"prefill", "mixed"}
+        assert ("kv" in timeline.kinds()) == (cluster.migrations > 0)
+        assert len(timeline.spans) == len(PROMPTS)
         snaps = cluster.fresh_snapshots()
         assert all(s.kv_free_blocks == s.kv_total_blocks for s in snaps)  # no KV leaked
         assert all(s.num_running == s.num_waiting == 0 for s in snaps)

@@ -128,6 +128,7 @@ class LLMEngine:
         # called when a plan's forward pass is done, before its outputs are applied: the
         # two-executor guard advances a virtual clock by the cost model's step time there
         self.on_executed: Callable[[StepPlan], None] | None = None
+        self.last_plan: StepPlan | None = None  # what the last step ran (None: nothing), for timelines
         self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
@@ -281,7 +282,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         now = self.now()
-        plan = self.scheduler.schedule(now)
+        plan = self.last_plan = self.scheduler.schedule(now)
         if plan is None:  # nothing runnable: maybe a batching window that closes later
             wake = self.scheduler.wake_at(now)
             self._idle_until = float("inf") if wake is None else wake

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.policies.base import InstanceSnapshot
 from flowyard.policies.registry import Policy
@@ -56,8 +57,12 @@ class ClusterBase:
     core: ClusterCore
     _where: dict[str, int]  # request id -> instance that tracks it
 
-    def _init_core(self, policy: Policy, decisions: DecisionLog | None) -> None:
+    def _init_core(self, policy: Policy, decisions: DecisionLog | None, timeline: Timeline | None) -> None:
         self.policy = policy
+        self.timeline = timeline
+        if timeline is not None:
+            decisions = decisions or timeline.log
+            timeline.roles.update({i: r.value for i, r in enumerate(policy.roles)})
         self.core = ClusterCore(policy, self, decisions)  # type: ignore[arg-type]
         self.ticker = Ticker(policy.global_scheduler.period)
         self.sessions = Sessions()
@@ -77,6 +82,8 @@ class ClusterBase:
     def _finished(self, results) -> None:
         for st in results:
             self.sessions.finished(st)
+            if self.timeline is not None:
+                self.timeline.finished(st)
 
     # -- ClusterView (the global scheduler reads the runtime through the core) --------------
     def instances(self, role=None):

@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from flowyard.cluster.core import DecisionLog
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.kvcache import cdiv
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine, TrackedRequest
@@ -39,11 +40,13 @@ from flowyard.runtime.base import ClusterBase
 class LocalCluster(ClusterBase):
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, policy: Policy,
                  config: EngineConfig = EngineConfig(), name: str = "model", *,
-                 decisions: DecisionLog | None = None, clock: Callable[[], float] | None = None) -> None:
+                 decisions: DecisionLog | None = None, clock: Callable[[], float] | None = None,
+                 timeline: Timeline | None = None) -> None:
         """decisions: log every scheduling decision there; clock: seconds since some origin
-        (default the wall clock; a test injects a virtual one)."""
+        (default the wall clock; a test injects a virtual one); timeline: record steps, KV
+        transfers, decisions and request spans there."""
         ids, t0 = itertools.count(), (clock or time.monotonic)()
-        self._init_core(policy, decisions)
+        self._init_core(policy, decisions, timeline)
         self.config = config
         self.model_name = name
         self.tokenizer = tokenizer
@@ -106,8 +109,11 @@ class LocalCluster(ClusterBase):
         for st in dst.scheduler.admit_migrations(self.now()):
             src = self.engines[self._kv_home.pop(st.id)]
             n = cdiv(st.num_computed, src.kv.block_size)
+            start = self.now()
             data = src.runner.export_kv(src.kv.block_table(st.id)[:n])
             dst.runner.import_kv(dst.kv.block_table(st.id)[:n], data)
+            if self.timeline is not None:
+                self.timeline.transfer(st.id, src.instance, dst.instance, start, self.now())
             src.scheduler.release(st.id)
             self._kick(src.instance)
             dst.scheduler.migration_arrived(st, self.now())
@@ -213,10 +219,14 @@ class LocalCluster(ClusterBase):
             i = self._ready.popleft()
             engine = self.engines[i]
             self._running = i
+            start, preempted = self.now(), engine.pool.stats.count
             try:
                 outs = engine.step()
             finally:
                 self._running = None
+            if self.timeline is not None and engine.last_plan is not None:
+                self.timeline.step(i, start, self.now(), engine.last_plan,
+                                   preempted=engine.pool.stats.count > preempted)
 
             if engine.idle and not engine.results:  # found nothing to run: wait for an event
                 if engine.wake_time is not None:  # ... or its wake-up time

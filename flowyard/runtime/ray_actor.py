@@ -16,6 +16,7 @@ import collections
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine, TrackedRequest
 from flowyard.engine.sampling import RequestOutput, SamplingParams
@@ -38,6 +39,8 @@ class EngineActor:
         self.errors: list[RequestOutput] = []  # refusals and lost migrations, sent with the next step
         self.arriving: list[tuple[str, Any]] = []  # (request id, the source's `take`) not there yet
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
+        self.trace = Timeline()  # steps and KV imports since the last report
+        self._src: dict[int, int] = {}  # migrating request -> the instance its KV comes from
         self._next = 0  # number of the driver's next call
         self._turns: asyncio.Condition | None = None
 
@@ -105,13 +108,18 @@ class EngineActor:
             ray.wait([ref for _, ref in self.arriving], num_returns=1, timeout=0.01)
             self._drain()
         outputs, self.errors = self.errors, []
+        start, preempted = e.now(), e.pool.stats.count
+        e.last_plan = None
         if e.has_unfinished():
             outputs += e.step()
+        if e.last_plan is not None:  # for the driver's timeline, in the cluster's clock
+            self.trace.step(e.instance, start, e.now(), e.last_plan, preempted=e.pool.stats.count > preempted)
         results, e.results = e.results, []
         self._admit()
         outputs, self.errors = outputs + self.errors, []
         busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
-        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats
+        trace, self.trace = self.trace, Timeline()
+        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers)
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)
@@ -181,6 +189,7 @@ class EngineActor:
                                 emitted=record["emitted"], emitted_tokens=record["emitted_tokens"]))
         e.scheduler.add_migration(st, e.now())
         self.pending.append((st, kv))
+        self._src[st.id] = record["src"]
 
     def _hand_off(self, req_id: int) -> RequestState | None:
         self._drain()
@@ -202,7 +211,7 @@ class EngineActor:
         table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
         kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
         e.scheduler.release(st.id)
-        record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text,
+        record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text, "src": e.instance,
                   "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
                   "generator": None if t.generator is None else t.generator.get_state(),
                   "detok": (t.detok.ids, t.detok.prefix_offset, t.detok.read_offset, t.detok.text)}
@@ -217,7 +226,7 @@ class EngineActor:
         kv_of = {st.id: kv for st, kv in self.pending}
         for st in e.scheduler.admit_migrations(e.now()):
             table = e.kv.block_table(st.id)
-            start = 0
+            start, t0 = 0, e.now()
             try:
                 for ref in kv_of.pop(st.id):
                     chunk = ray.get(ref)
@@ -231,4 +240,5 @@ class EngineActor:
                                                  error=f"the request's KV cache was lost in transfer ({type(err).__name__})"))
                 continue
             e.scheduler.migration_arrived(st, e.now())
+            self.trace.transfer(st.id, self._src.pop(st.id, -1), e.instance, t0, e.now())
         self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from flowyard.cluster.core import DecisionLog
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.llm_engine import EngineConfig, new_request
 from flowyard.engine.preemption import PreemptionStats
@@ -34,13 +35,14 @@ class RayCluster(ClusterBase):
     """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive)."""
 
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
-                 address: str | None = None, *, decisions: DecisionLog | None = None) -> None:
+                 address: str | None = None, *, decisions: DecisionLog | None = None,
+                 timeline: Timeline | None = None) -> None:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self._ray = ray
-        self._init_core(policy, decisions)
+        self._init_core(policy, decisions, timeline)
         self.config = config
         self._t0 = time.monotonic()
         self._actor_cls = ray.remote(num_cpus=0)(EngineActor)
@@ -197,13 +199,16 @@ class RayCluster(ClusterBase):
             i = by_ref[ref]
             del self._inflight[i]
             try:
-                outs, results, snap, still_busy, self._preemption[i] = self._ray.get(ref)
+                outs, results, snap, still_busy, self._preemption[i], trace = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
                 outputs += self._instance_died(i)
                 continue
             # Work sent while this step ran is not in its report: stay busy for it.
             self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
             self._sent_during_step.discard(i)
+            if self.timeline is not None:
+                self.timeline.steps += trace[0]
+                self.timeline.transfers += trace[1]
             outputs += outs
             for o in outs:
                 self._inputs.pop(o.request_id, None)  # started (or refused): its KV now matters

@@ -38,6 +38,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="cpu", help="roofline hardware for the predictor (cpu, h100, ...)")
     p.add_argument("--preemption", default="operator", choices=["operator", "layer", "chunk"],
                    help="flowprefill: where a running prefill may be suspended")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="on shutdown, write a Chrome/Perfetto trace of steps, KV transfers, decisions and requests")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 
@@ -64,7 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     use_ray = args.ray or args.ray_address is not None
     policy = None
-    if args.instances > 1 or args.policy != "vllm" or use_ray:
+    timeline = None
+    if args.timeline:
+        from flowyard.cluster.timeline import Timeline
+
+        timeline = Timeline()
+    if args.instances > 1 or args.policy != "vllm" or use_ray or timeline is not None:
         from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy, policy_requires_predictor
 
@@ -79,13 +86,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster
 
-        engine = RayCluster(args.model, policy, config, address=args.ray_address)
+        engine = RayCluster(args.model, policy, config, address=args.ray_address, timeline=timeline)
     else:
         engine = LLMEngine.from_path(args.model, config)
     if policy is not None and not use_ray:
         from flowyard.runtime.cluster import LocalCluster
 
-        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name)
+        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name, timeline=timeline)
     if policy is not None:
         where = "Ray actors" if use_ray else "this process"
         print(f"flowyard: {args.instances} instance(s) in {where}, policy {policy.name} "
@@ -102,6 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client.shutdown()
         if use_ray:
             engine.shutdown()
+        if timeline is not None:
+            timeline.write(args.timeline)
+            print(f"flowyard: wrote the timeline to {args.timeline}", file=sys.stderr)
     return 0
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.metrics import Summary, summarize
 from flowyard.core.request import SLO
 from flowyard.costmodel import Link, get_hardware, make_cost_model
@@ -134,6 +135,7 @@ def simulate(
     *,
     cost_model: CostModel | None = None,
     progress: Callable[[int, int], None] | None = None,
+    timeline: Timeline | None = None,
 ) -> tuple[Summary, SimResult]:
     """Run one simulation; `workload` (unscaled) may be passed to avoid reloading it."""
     w = workload if workload is not None else load_workload(cfg)
@@ -152,7 +154,7 @@ def simulate(
         w.requests, policy, cost, build_topology(cfg),
         block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
         snapshot_staleness=cfg.snapshot_staleness,
-        arrivals=arrivals,
+        arrivals=arrivals, timeline=timeline,
     )
     result = sim.run()
     # Arrivals are the send times the simulator recorded, so throughput is over the real span.

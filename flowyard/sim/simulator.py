@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from flowyard.cluster.core import ClusterCore, DecisionLog
+from flowyard.cluster.timeline import Timeline
 from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
@@ -68,6 +69,7 @@ class Simulator:
         chunked_kv: bool | None = None,
         shared_device: bool = False,
         decisions: DecisionLog | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.requests = list(requests)
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
@@ -101,6 +103,10 @@ class Simulator:
         self.preemption_blocking: list[float] = []
         # routing, splits, hand-offs, decode routing, ticks: the orchestration every executor
         # shares; this class is its virtual clock and its transport (`flowyard.cluster`)
+        self.timeline = timeline  # steps, KV transfers, decisions and request spans, for Perfetto
+        if timeline is not None:
+            decisions = decisions or timeline.log
+            timeline.roles.update({i.id: i.sched.role.value for i in self.instances})
         self.core = ClusterCore(policy, self, decisions)
 
     # -- Transport (flowyard.cluster.core) -------------------------------------------------
@@ -131,6 +137,9 @@ class Simulator:
         if 0 < done < len(ends):
             if self.on_step is not None:
                 self.on_step(inst.id, inst.plan, done)
+            if self.timeline is not None:
+                self.timeline.step(inst.id, inst.started, float(ends[done - 1]), inst.plan, done)
+                inst.started = float(ends[done - 1])
             inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
             inst.ends = ends[done:]
             inst.account(done)
@@ -191,6 +200,8 @@ class Simulator:
         """st finished, or is rejected for `reject`: count it; the arrival source may send more."""
         if reject is not None:
             st.status, st.reject_reason = Status.REJECTED, reject
+        if self.timeline is not None:
+            self.timeline.finished(st)
         self._done += 1
         self._send(self.arrivals.on_done(st, self.now))
 
@@ -254,6 +265,8 @@ class Simulator:
         ends = inst.ends[:steps]
         inst.plan = None
         inst.bounds = None
+        if self.timeline is not None:
+            self.timeline.step(inst.id, inst.started, self.now, plan, steps, preempted=inst.suspend_at >= 0)
         if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
             k, inst.suspend_at = inst.suspend_at, -1
             inst.sched.suspend(plan, k, self.now)
@@ -277,7 +290,10 @@ class Simulator:
         for st in dst.sched.admit_migrations(self.now):
             src = st.instance
             assert src is not None
-            self._push(self.kv_push.landing(st, src, dst.id, self.now), KV_DONE, (st, src, dst.id))
+            landing = self.kv_push.landing(st, src, dst.id, self.now)
+            if self.timeline is not None:
+                self.timeline.transfer(st.id, src, dst.id, self.now, landing)
+            self._push(landing, KV_DONE, (st, src, dst.id))
 
     @property
     def chunked_kv(self) -> bool:
@@ -374,6 +390,7 @@ class Simulator:
         else:
             ends = np.array([self.now + float(self.cost.step_time(shape))])
         inst.plan, inst.ends = plan, ends
+        inst.started = self.now
         inst.launch(shape, self.now)
         inst.version += 1
         inst.busy_s += float(ends[-1] - self.now)
