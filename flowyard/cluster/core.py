@@ -17,7 +17,8 @@ ships it between actor processes through the object store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import collections
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from flowyard.core.request import RequestState
@@ -61,15 +62,23 @@ class Decision:
     detail: str = ""
 
 
-@dataclass
 class DecisionLog:
-    """The decisions of one run in the order they were taken."""
+    """The decisions of one run in the order they were taken (the last `limit` of them, for a
+    server that runs for days; `total` counts them all, so a reader can ask for what is new)."""
 
-    decisions: list[Decision] = field(default_factory=list)
+    def __init__(self, limit: int | None = None) -> None:
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=limit)
+        self.total = 0
 
     def add(self, t: float, kind: str, request: int, src: int | None = None, dst: int | None = None,
             detail: object = "") -> None:
         self.decisions.append(Decision(t, kind, request, src, dst, str(detail)))
+        self.total += 1
+
+    def since(self, seen: int) -> list[Decision]:
+        """The decisions after the first `seen` ones (those still kept)."""
+        kept = list(self.decisions)
+        return kept[max(0, len(kept) - (self.total - seen)):] if seen < self.total else []
 
     def kinds(self) -> set[str]:
         return {d.kind for d in self.decisions}

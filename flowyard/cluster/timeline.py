@@ -25,7 +25,7 @@ STEP_TID, DECISION_TID, KV_TID = 0, 1, 2
 
 @dataclass
 class Timeline:
-    log: DecisionLog = field(default_factory=DecisionLog)
+    log: DecisionLog = field(default_factory=DecisionLog)  # unbounded: the whole run
     roles: dict[int, str] = field(default_factory=dict)
     steps: list[tuple[int, float, float, str, dict]] = field(default_factory=list)
     transfers: list[tuple[int, int, int, float, float]] = field(default_factory=list)

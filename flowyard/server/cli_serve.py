@@ -66,11 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     use_ray = args.ray or args.ray_address is not None
     policy = None
-    timeline = None
+    from flowyard.cluster.core import DecisionLog
+
+    timeline, decisions = None, None
     if args.timeline:
         from flowyard.cluster.timeline import Timeline
 
         timeline = Timeline()
+    else:  # the recent decisions, for /dashboard
+        decisions = DecisionLog(limit=5000)
     if args.instances > 1 or args.policy != "vllm" or use_ray or timeline is not None:
         from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy, policy_requires_predictor
@@ -86,13 +90,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster
 
-        engine = RayCluster(args.model, policy, config, address=args.ray_address, timeline=timeline)
+        engine = RayCluster(args.model, policy, config, address=args.ray_address, timeline=timeline,
+                            decisions=decisions)
     else:
         engine = LLMEngine.from_path(args.model, config)
     if policy is not None and not use_ray:
         from flowyard.runtime.cluster import LocalCluster
 
-        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name, timeline=timeline)
+        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name, timeline=timeline,
+                              decisions=decisions)
     if policy is not None:
         where = "Ray actors" if use_ray else "this process"
         print(f"flowyard: {args.instances} instance(s) in {where}, policy {policy.name} "

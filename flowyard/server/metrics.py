@@ -19,6 +19,7 @@ means every objective carried was met (TTFT, mean TPOT, and every client-visible
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Iterable
@@ -111,6 +112,8 @@ class ServerMetrics:
                                     lab, registry=r).labels(model_name)
         self.model_name = model_name
         r.register(_EngineStatsCollector(engine, model_name))
+        # the last finished requests, (unix time, ttft, tpot, ttft SLO, tpot SLO, met): /dashboard
+        self.recent: collections.deque[tuple] = collections.deque(maxlen=1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -165,14 +168,20 @@ class RequestMetrics:
         if self.tokens >= 2 and self.first is not None and self.last is not None:
             tpot = (self.last - self.first) / (self.tokens - 1)
             self.m.req_tpot.observe(tpot)
+        ttft = None if self.first is None else self.first - self.arrival
+        slo = self.slo or SLO()
+        self.m.recent.append((time.time(), ttft, tpot, slo.ttft, slo.tpot, None if slo.empty else self._met(ttft, tpot)))
         if self.slo is None or self.slo.empty:
             return
-        ttft = None if self.first is None else self.first - self.arrival
-        ok = True
-        if self.slo.ttft is not None:
-            ok &= ttft is not None and ttft <= self.slo.ttft
-        if self.slo.tpot is not None and tpot is not None:
-            ok &= tpot <= self.slo.tpot
-        if self.slo.tbt is not None:
-            ok &= self.max_gap <= self.slo.tbt
-        (self.m.slo_attained if ok else self.m.slo_violated).inc()
+        (self.m.slo_attained if self._met(ttft, tpot) else self.m.slo_violated).inc()
+
+    def _met(self, ttft: float | None, tpot: float | None) -> bool:
+        slo, ok = self.slo, True
+        assert slo is not None
+        if slo.ttft is not None:
+            ok &= ttft is not None and ttft <= slo.ttft
+        if slo.tpot is not None and tpot is not None:
+            ok &= tpot <= slo.tpot
+        if slo.tbt is not None:
+            ok &= self.max_gap <= slo.tbt
+        return ok
