@@ -21,9 +21,10 @@ def test_simulate_flowprefill_reports_preemption_blocking(tmp_path, capsys):
         assert "preemptions:" in capsys.readouterr().out
 
 
-def test_serve_flowprefill_refuses_ray_and_unpredictable_models(capsys):
-    assert main(["serve", "--policy", "flowprefill", "--instances", "2", "--ray"]) == 2
-    assert "without --ray" in capsys.readouterr().err
+def test_serve_flowprefill_refuses_bad_shapes_and_unpredictable_models(capsys):
+    # (flowprefill runs on Ray too now: tests/test_ray_policies.py)
+    assert main(["serve", "--policy", "flowprefil", "--instances", "2", "--ray"]) == 2
+    assert "valid policies" in capsys.readouterr().err  # checked before any actor starts
     assert main(["serve", "--policy", "flowprefill", "--instances", "2", "--model", "/nonexistent.gguf"]) == 2
     assert "--profile" in capsys.readouterr().err
     assert main(["serve", "--policy", "flowprefill", "--instances", "1"]) == 2
