@@ -21,7 +21,9 @@ from flowyard.policies.pla_router import ControllerConfig, PLARouter
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
 
-SchedulerFactory = Callable[[int, Role, KVCacheManager], LocalScheduler]
+# (instance, role, KV manager, the role's BatchConfig with the executor's context limit and
+# step promise applied) -> the local scheduler
+SchedulerFactory = Callable[[int, Role, KVCacheManager, BatchConfig], LocalScheduler]
 
 
 class UnknownPolicyError(ValueError):
@@ -62,14 +64,17 @@ class Policy:
         """The local scheduler of `instance`. A real engine passes its context limit and
         single_step (it never takes up a multi-step decode promise)."""
         role = self.roles[instance]
-        if role in self.schedulers:
-            return self.schedulers[role](instance, role, kv)
-        cfg = self.configs[role]
+        cfg = self.configs.get(role, BatchConfig())
         if max_model_len is not None:
             cfg = dataclasses.replace(cfg, max_model_len=max_model_len)
         if single_step:
             cfg = dataclasses.replace(cfg, max_repeats=1)
-        return BatchScheduler(instance, role, kv, cfg)
+        if role not in self.schedulers:
+            return BatchScheduler(instance, role, kv, cfg)
+        sched = self.schedulers[role](instance, role, kv, cfg)
+        if max_model_len is not None:  # the engine's context limit binds every scheduler
+            sched.max_model_len = min(getattr(sched, "max_model_len", max_model_len), max_model_len)  # type: ignore[attr-defined]
+        return sched
 
 
 def _colocated(router: Callable[[], GlobalScheduler]) -> Callable[[str, PolicyOptions], Policy]:
@@ -115,7 +120,7 @@ def _flowprefill(name: str, o: PolicyOptions) -> Policy:
     fp = o.flowprefill or FlowPrefillConfig(chunk_size=o.chunk_size, max_num_seqs=o.max_num_seqs)
     predictor = o.predictor
 
-    def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+    def prefill(instance: int, role: Role, kv: KVCacheManager, _: BatchConfig) -> LocalScheduler:
         return FlowPrefillScheduler(instance, role, kv, fp, predictor)
 
     decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
@@ -147,14 +152,13 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     if mix:  # no decode pool: each instance decodes what it prefilled (pla_mix)
         policy = Policy(name, router, roles, {Role.MIXED: BatchConfig(max_num_seqs=cfg.max_num_seqs)})
 
-        def mixed(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
-            return PLAMixScheduler(instance, role, kv, cfg, predictor, lengths,
-                                   max_repeats=policy.configs[role].max_repeats)
+        def mixed(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
+            return PLAMixScheduler(instance, role, kv, cfg, predictor, lengths, max_repeats=batch.max_repeats)
 
         policy.schedulers[Role.MIXED] = mixed
         return policy
 
-    def prefill(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
+    def prefill(instance: int, role: Role, kv: KVCacheManager, _: BatchConfig) -> LocalScheduler:
         return PLAPrefillScheduler(instance, role, kv, cfg, predictor, lengths)
 
     decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
@@ -201,10 +205,10 @@ def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
         policy = Policy(name, DynaServeRouter(predictor, lengths, cfg), [Role.MIXED] * o.num_instances,
                         {Role.MIXED: batch})
 
-        def local(instance: int, role: Role, kv: KVCacheManager) -> LocalScheduler:
-            # reads policy.configs when built, so a caller's BatchConfig override applies
-            return DynaServeLocalScheduler(instance, role, kv, policy.configs[role], predictor,
-                                           local_cfg, on_finish=lengths.observe)
+        def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
+            # `batch` is policy.configs[role] when built (a caller's override applies) with the
+            # executor's context limit and single-step promise
+            return DynaServeLocalScheduler(instance, role, kv, batch, predictor, local_cfg, on_finish=lengths.observe)
 
         policy.schedulers[Role.MIXED] = local
         return policy
