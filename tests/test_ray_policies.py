@@ -69,9 +69,14 @@ def test_every_policy_on_ray_gives_one_engines_tokens(name, tiny, ray_session):
     log = timeline.log
     opts = PolicyOptions(num_instances=2, chunk_size=32, max_num_seqs=8,
                          predictor=make_cost_model("smollm2-135m", "cpu"))
-    cluster = RayCluster(d, build_policy(name, opts), CONFIG, timeline=timeline)
+    policy = build_policy(name, opts)
+    cluster = RayCluster(d, policy, CONFIG, timeline=timeline)
     try:
         assert run(cluster, PROMPTS) == ref
+        if name == "dynaserve":  # the driver's length predictor learnt from the actors' requests
+            lengths, n = policy.global_scheduler.lengths, len(PROMPTS)
+            w, prior = lengths.prior_weight, lengths.prior_mean
+            assert lengths.estimate(None) == pytest.approx((w * prior + n * GREEDY.max_tokens) / (w + n))
         kinds = log.kinds()
         print(name, sorted(kinds), cluster.migrations)
         assert "route" in kinds and EXPECTED.get(name, set()) <= kinds

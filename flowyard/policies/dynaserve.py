@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowyard.core.request import Request
+from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot, Role
 from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
@@ -95,6 +95,11 @@ class DynaServeRouter(GlobalScheduler):
         self._dbar = float(cfg.length_prior)  # mean predicted output: re-seeding unknown requests
         self.last: Decision | None = None
         self.reseeds = 0
+
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """The length predictor learns from every finished request, wherever it ran (the
+        executors report them; on Ray the local schedulers live in other processes)."""
+        self.lengths.observe(state.req, state.num_output)
 
     def view(self, i: int) -> VirtualBatch:
         v = self.views.get(i)

@@ -208,7 +208,7 @@ def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
         def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
             # `batch` is policy.configs[role] when built (a caller's override applies) with the
             # executor's context limit and single-step promise
-            return DynaServeLocalScheduler(instance, role, kv, batch, predictor, local_cfg, on_finish=lengths.observe)
+            return DynaServeLocalScheduler(instance, role, kv, batch, predictor, local_cfg)
 
         policy.schedulers[Role.MIXED] = local
         return policy
