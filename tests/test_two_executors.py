@@ -79,6 +79,10 @@ def test_simulator_and_engine_make_the_same_decisions(tmp_path):
 # -- the guard widened: every policy, several instances, decisions compared event by event ------
 
 GUARD_BLOCK, GUARD_KV = 8, 1024
+# decisions each policy must have taken on the guard's workload (so the comparison covers them)
+GUARD_SHOWS = {"distserve": {"handoff"}, "flowprefill": {"handoff", "preempt"}, "pla": {"handoff"},
+               "pla-mix": {"flip"}, "arrow": {"decode", "flip"}, "dynaserve": {"split", "handoff"},
+               "dynaserve-oracle": {"split", "handoff"}}
 
 
 def guard_jobs():
@@ -121,4 +125,5 @@ def test_simulator_and_cluster_decide_the_same_event_by_event(name, guard_model)
     assert real.without_time() == sim.without_time()
     assert [d.t for d in real.decisions] == pytest.approx([d.t for d in sim.decisions], abs=1e-9)
     assert len(sim.decisions) >= len(jobs)  # at least every route
+    assert GUARD_SHOWS.get(name, set()) <= sim.kinds()  # the policy's own mechanisms were at work
     assert all(len(tokens[f"r{i}"]) == j.max_tokens for i, j in enumerate(jobs))

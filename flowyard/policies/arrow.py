@@ -172,6 +172,12 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         return d
 
     # -- Alg. 1: prefill dispatch ----------------------------------------------------------
+    def pool_moves(self) -> list[tuple[float, int, str, str]]:
+        """Every move of an instance between Arrow's four pools (flips and their settling)."""
+        if self.pools is None:
+            return []
+        return [(t, i, frm.value, to.value) for t, i, frm, to in self.pools.moves]
+
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         pools = self._refresh(view, now)
         if req.slo.tpot is not None:

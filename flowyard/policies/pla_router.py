@@ -104,6 +104,13 @@ class PLARouter(DistServeDispatch):
         self._last_move = float("-inf")
         self._last_tick: float | None = None
 
+    def pool_moves(self) -> list[tuple[float, int, str, str]]:
+        """The controller's moves between the short and long pools, as flips."""
+        if self.pools is None:
+            return []
+        other = {"short": "long", "long": "short"}
+        return [(t, i, other.get(to, "?"), to) for t, i, to in self.pools.moves]
+
     def _init_pools(self, view: ClusterView) -> Pools:
         ids = _entry(view)
         n_s = min(len(ids) - 1, max(1, round(len(ids) * self.controller.short_share))) if len(ids) > 1 else 0
