@@ -163,4 +163,6 @@ def run_cluster(name: str, jobs: list[Job], cost, opts: PolicyOptions, model, to
                 break
             continue
         deliver(np.nextafter(ev[0], np.inf))  # everything at that instant
+    if state["tick"] is not None:  # the simulator fires the tick it already had scheduled
+        deliver(np.nextafter(state["tick"], np.inf))
     return log, tokens
