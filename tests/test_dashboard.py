@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import io
 import shutil
-import socket
-import threading
-import time
 
 import pytest
 
 from helpers_models import load_model, make_tiny_model
+from helpers_server import serving
 from flowyard.engine.llm_engine import EngineConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 
@@ -24,7 +22,6 @@ def server(tmp_path_factory):
     """A 1P1D cluster of the tiny model behind the OpenAI server, with a few requests served."""
     pytest.importorskip("transformers")
     import httpx
-    import uvicorn
 
     from flowyard.cluster.core import DecisionLog
     from flowyard.engine.async_engine import AsyncLLMEngine
@@ -35,21 +32,12 @@ def server(tmp_path_factory):
     cluster = LocalCluster(model, tok, build_policy("distserve", PolicyOptions(num_instances=2)),
                            EngineConfig(kv_cache_tokens=2048), decisions=DecisionLog(limit=100))
     client = AsyncLLMEngine(cluster)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(build_app(client), log_level="warning", lifespan="off"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    while not srv.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for i in range(6):
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hello there " * (i + 1), "max_tokens": 8,
-                                                      "temperature": 0, "ttft_slo": 5, "tpot_slo": 1}, timeout=60)
-        assert r.status_code == 200, r.text
-    yield url
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serving(build_app(client)) as url:
+        for i in range(6):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hello there " * (i + 1), "max_tokens": 8,
+                                                          "temperature": 0, "ttft_slo": 5, "tpot_slo": 1}, timeout=60)
+            assert r.status_code == 200, r.text
+        yield url
     client.shutdown()
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_models import load_model, make_tiny_model
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import SLO
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
-from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy
 
@@ -46,10 +44,7 @@ def run(engine, prompts, sessions=None):
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
     d, _ = make_tiny_model(tmp_path_factory.mktemp("raypol"), "llama")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    reference = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096))
+    reference = LLMEngine(*load_model(d), EngineConfig(kv_cache_tokens=4096))
     return str(d), [o.new_token_ids for o in reference.generate(PROMPTS, GREEDY)]
 
 
@@ -97,7 +92,6 @@ def test_flowprefill_preempts_a_running_prefill_inside_an_actor(ray_session):
     first token first, and the long one still produces exactly its unpreempted tokens."""
     import time
 
-    from helpers_models import load_model
     from flowyard.engine.embedded import embedded_model_path
     from flowyard.policies.flowprefill import FlowPrefillConfig
     from flowyard.runtime.ray_cluster import RayCluster
@@ -162,7 +156,7 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
                 if o.finished:
                     ends[o.request_id] = (o.finish_reason, o.error)
         assert set(ends) == set(got)  # every request ended, one way or the other
-        reference = LLMEngine(*_tiny_model(d), EngineConfig(kv_cache_tokens=4096))
+        reference = LLMEngine(*load_model(d), EngineConfig(kv_cache_tokens=4096))
         for rid, (reason, error) in ends.items():
             if reason == "length":
                 if ref_long[rid] is None:
@@ -185,9 +179,3 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
     finally:
         cluster.shutdown()
 
-
-def _tiny_model(d):
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer

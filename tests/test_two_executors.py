@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from conftest import FixedLink, LinearCost
-from helpers_models import make_tiny_model
+from helpers_models import make_tiny_model, tiny_model
 from flowyard.core.request import Request
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.loader import load_checkpoint
@@ -104,11 +104,7 @@ def guard_jobs():
 @pytest.fixture(scope="module")
 def guard_model(tmp_path_factory):
     pytest.importorskip("transformers")
-    d, _ = make_tiny_model(tmp_path_factory.mktemp("guard"), "llama")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    return model, ckpt.tokenizer
+    return tiny_model(tmp_path_factory.mktemp("guard"))
 
 
 @pytest.mark.parametrize("name", list(POLICY_NAMES))
