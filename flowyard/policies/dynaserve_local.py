@@ -79,6 +79,20 @@ class ProfileTable:
         self._global_used = 1.0
         self.samples = 0
         self._budget: dict[tuple[int, int], int] = {}
+        self._model_times: dict[tuple[int, float, int, int], float] = {}
+        self._grid = [g for g in PREFILL_GRID[1:] if g <= cfg.max_prefill]  # budgets tried, in order
+        self._grid_buckets = [_bucket(g) for g in self._grid]
+        self._grid_cache: dict[tuple[float, int, int], list[float]] = {}
+
+    def _grid_times(self, ctx: float, n: int, history: int) -> list[float]:
+        """model_time of every grid budget at this (bucketed) composition, computed once."""
+        key = (ctx, n, history)
+        times = self._grid_cache.get(key)
+        if times is None:
+            if len(self._grid_cache) > 1 << 14:
+                self._grid_cache.clear()
+            times = self._grid_cache[key] = [self.model_time(g, ctx, n, history) for g in self._grid]
+        return times
 
     def _key(self, prefill: float, ctx: float, n: int) -> tuple[int, int, int]:
         return (_bucket(n), _bucket(ctx), _bucket(prefill))
@@ -91,8 +105,15 @@ class ProfileTable:
 
     def model_time(self, prefill: int, ctx: float, n: int, history: int = 0) -> float:
         """The cost model's time (cold start) for this composition; `history` tokens of the
-        prompt already computed (a later chunk attends to them all)."""
-        return float(self.cost.step_time(self.shape(prefill, ctx, n, history)))
+        prompt already computed (a later chunk attends to them all). Memoised: the budget
+        search asks for the same bucketed shapes again every time the ratios move."""
+        key = (prefill, ctx, n, history)
+        t = self._model_times.get(key)
+        if t is None:
+            if len(self._model_times) > 1 << 16:
+                self._model_times.clear()
+            t = self._model_times[key] = float(self.cost.step_time(self.shape(prefill, ctx, n, history)))
+        return t
 
     def predict(self, prefill: int, ctx: float, n: int, history: int = 0) -> float:
         r = self._used.get(self._key(prefill, ctx, n), self._global_used)
@@ -133,9 +154,11 @@ class ProfileTable:
         history = (key[2] + 1) << 9 if history > 0 else 0
         limit = self.cfg.tbt_slo * self.cfg.headroom
         ok = 0
-        grid = [g for g in PREFILL_GRID if g <= self.cfg.max_prefill]
-        for g in grid[1:]:
-            if self.predict(g, ctx, n, history) > limit:
+        used, glob = self._used, self._global_used
+        bn, bc = _bucket(n), _bucket(ctx)
+        grid = self._grid
+        for g, bg, t in zip(grid, self._grid_buckets, self._grid_times(ctx, n, history)):
+            if t * used.get((bn, bc, bg), glob) > limit:  # predict(g, ctx, n, history), unrolled
                 lo, hi = ok, g  # ok fits, g does not
                 while hi - lo > 8:
                     mid = (lo + hi) // 2
