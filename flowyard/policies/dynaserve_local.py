@@ -91,7 +91,10 @@ class ProfileTable:
         if times is None:
             if len(self._grid_cache) > 1 << 14:
                 self._grid_cache.clear()
-            times = self._grid_cache[key] = [self.model_time(g, ctx, n, history) for g in self._grid]
+            g = np.array(self._grid, dtype=float)  # one vectorised call for the whole grid
+            shape = BatchShape(prefill_tokens=g, prefill_seqs=1, prefill_attn=g * (history + (g + 1) / 2),
+                               prefill_kv=history + g, decode_seqs=n, decode_ctx=ctx * n)
+            times = self._grid_cache[key] = np.broadcast_to(self.cost.step_time(shape), g.shape).tolist()
         return times
 
     def _key(self, prefill: float, ctx: float, n: int) -> tuple[int, int, int]:
@@ -187,6 +190,7 @@ class DynaServeLocalScheduler(BatchScheduler):
         self._composed: tuple[int, float, int, float, float] | None = None
         self._since: dict[int, float] = {}  # migration id -> when it asked to come here
         self.recomputed = 0  # migrations taken without their KV (deadlock breaker)
+        self._configs: dict[int, BatchConfig] = {}  # the base config at each step token budget
 
     def schedule(self, now: float) -> StepPlan | None:
         ready = [r for r in self.running if r.status is Status.RUNNING and not r.in_prefill]
@@ -194,7 +198,13 @@ class DynaServeLocalScheduler(BatchScheduler):
         ctx = sum(r.num_computed + 1 for r in ready) / n if n else 0.0
         history = max((r.num_computed for r in self.running if r.in_prefill), default=0)
         budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
-        self.config = dataclasses.replace(self.base_config, max_num_batched_tokens=n + budget)
+        tokens = n + budget
+        config = self._configs.get(tokens)
+        if config is None:
+            if len(self._configs) > 4096:
+                self._configs.clear()
+            config = self._configs[tokens] = dataclasses.replace(self.base_config, max_num_batched_tokens=tokens)
+        self.config = config
         plan = super().schedule(now)
         if plan is not None:
             self.budgets.append(budget)
