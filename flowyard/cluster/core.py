@@ -116,14 +116,13 @@ class ClusterCore:
         """Route a new request, split it if the policy says so, and queue it. Returns the
         instance, or None when it was rejected (st.reject_reason says why)."""
         gs, log = self.gs, self.log
-        dst = gs.route(st.req, self, now)
+        dst, split = gs.dispatch(st.req, self, now)
         self._log_flips()
         if dst is None:
             st.reject_reason = st.reject_reason or "rejected by the global scheduler"
             if log is not None:
                 log.add(now, "reject", st.id, detail=st.reject_reason)
             return None
-        split = gs.split_point(st.req, dst, self, now)
         if split:
             st.split_at, st.split_to = split
         if log is not None:

@@ -193,6 +193,14 @@ class GlobalScheduler(ABC):
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         """Instance that receives a new request; None rejects it."""
 
+    def dispatch(self, req: Request, view: ClusterView, now: float) -> tuple[int | None, tuple[int, int] | None]:
+        """Where a new request starts and, if it is split into micro-requests, (s, B): tokens
+        1..s run there and the rest on instance B. One decision, so a policy that chooses both
+        together (DynaServe) keeps no state between two calls. Default: `route`, then
+        `split_point` for the chosen instance."""
+        dst = self.route(req, view, now)
+        return dst, (None if dst is None else self.split_point(req, dst, view, now))
+
     def split_point(self, req: Request, dst: int, view: ClusterView, now: float) -> tuple[int, int] | None:
         """For a request just routed to `dst`: split it into micro-requests? (s, B) runs tokens
         1..s on dst and the rest on instance B (DynaServe); None runs it whole."""

@@ -91,7 +91,6 @@ class DynaServeRouter(GlobalScheduler):
         self._future: dict[int, list[tuple[float, Segment]]] = {}
         self._synced: dict[int, float] = {}
         self._next = 0
-        self._pending: tuple[int, Decision] | None = None
         self._dbar = float(cfg.length_prior)  # mean predicted output: re-seeding unknown requests
         self.last: Decision | None = None
         self.reseeds = 0
@@ -108,20 +107,18 @@ class DynaServeRouter(GlobalScheduler):
         return v
 
     # -- GlobalScheduler --------------------------------------------------------------------
-    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+    def dispatch(self, req: Request, view: ClusterView, now: float) -> tuple[int | None, tuple[int, int] | None]:
+        """Alg. 1 on the next round-robin pair: the instance the request starts on and its
+        split point, decided (and committed to the pair's virtual batches) together."""
         ids = list(view.instances(Role.MIXED)) or list(view.instances())
         a = ids[self._next % len(ids)]
         b = ids[(self._next + 1) % len(ids)]
         self._next += 1
         d = self.decide(req, a, b, view, now)
-        self._pending = (req.prompt_len, d)
-        return d.first
+        return d.first, d.split
 
-    def split_point(self, req: Request, dst: int, view: ClusterView, now: float) -> tuple[int, int] | None:
-        pending, self._pending = self._pending, None
-        if pending is None or pending[0] != req.prompt_len or pending[1].first != dst:
-            return None
-        return pending[1].split
+    def route(self, req: Request, view: ClusterView, now: float) -> int | None:
+        return self.dispatch(req, view, now)[0]
 
     # -- Alg. 1 -------------------------------------------------------------------------------
     def segments(self, P: int, D: int, s: int, now: float) -> tuple[Segment | None, Segment | None]:
