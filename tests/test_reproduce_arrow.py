@@ -13,10 +13,44 @@ from flowyard.experiments.common import Threshold
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
+def quick_results(tmp_path_factory):
+    """`flowyard reproduce arrow --quick` as the command runs it, and the results it wrote up."""
+    from flowyard.experiments.arrow import run_experiments
+    from flowyard.experiments.arrow_report import write_report
+    from flowyard.experiments.common import reproduce_command
+
     out = tmp_path_factory.mktemp("results")
-    assert main(["reproduce", "arrow", "--quick", "--out", str(out), "--quiet"]) == 0
-    return out
+    res = run_experiments(QUICK, 0)
+    write_report(res, out, command=reproduce_command("arrow", True, 0, out))
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_results):
+    return quick_results[0]
+
+
+def test_differences_follow_the_run(quick_results):
+    """The decode-load verdict comes from this run's TPOT: within the SLO everywhere says so;
+    a TPOT past the SLO brings the policy diagnosis."""
+    import dataclasses
+
+    from flowyard.experiments.arrow import ARROW
+    from flowyard.experiments.arrow_report import _differences
+
+    res = quick_results[1]
+    text = _differences(res)
+    over = any(p.tpot_p90 > 0.075 for w in res.workloads for p in w.systems[ARROW].points.values())
+    assert ("stayed within the SLO at every rate" in text) == (not over)
+    w = res.workloads[0]
+    x, p = next(iter(w.systems[ARROW].points.items()))
+    w.systems[ARROW].points[x] = dataclasses.replace(p, tpot_p90=10.0)
+    try:
+        worse = _differences(res)
+    finally:
+        w.systems[ARROW].points[x] = p
+    assert "Looks wrong in the Arrow policy" in worse and "10000 ms" in worse
+    assert "stayed within the SLO" not in worse
 
 
 def test_quick_run_writes_markdown_figures_and_curves(quick_report):

@@ -68,3 +68,36 @@ def test_workload_keys():
     assert len(workload_maker("hybrid", s, 0)(100.0)) == 40  # max_n
     w = workload_maker("P2048/D512", s, 0)(2.0)
     assert {r.prompt_len for r in w} == {2048} and {r.target_output for r in w} == {512}
+
+
+def _scaled(res, factor: float):
+    """A copy of the results with every DynaServe capacity scaled (another run's numbers)."""
+    from flowyard.experiments.dynaserve import Capacity
+    from flowyard.experiments.common import Threshold
+
+    out = dataclasses.replace(res, capacity={
+        m: {k: {s: (Capacity(Threshold(c.value * factor), c.chunk) if s == DYNA else c) for s, c in per.items()}
+            for k, per in wl.items()} for m, wl in res.capacity.items()})
+    return out
+
+
+def test_notes_are_computed_from_the_run(tiny):
+    """The 'why ours differ' section follows the results it is given: other numbers give other
+    text and other verdicts, and a run of zeros is never 'reproduced'."""
+    from flowyard.experiments.dynaserve_notes import PAPER_CAPACITY, notes, verdict
+
+    res = tiny[0]
+    text = notes(res)
+    assert "Serving capacity over colocation" in text and "P99 TBT" in text
+    base = res.capacity["Qwen2.5-14B"]
+    mean_disagg = sum(base[k][DYNA].value / base[k][DISAGG].value for k in base) / len(base)
+    # make DynaServe's capacity land exactly on the paper's mean over disaggregation
+    hit = _scaled(res, PAPER_CAPACITY[DISAGG][2] / mean_disagg)
+    assert "reproduced (ours 1.00x" in notes(hit)
+    far = _scaled(res, 20 * PAPER_CAPACITY[DISAGG][2] / mean_disagg)
+    assert "not reproduced (ours 20.00x" in notes(far)
+    assert notes(hit) != notes(far) != text
+    zero = _scaled(res, 0.0)
+    assert "reproduced (" not in notes(zero).replace("not reproduced (", "")
+    assert verdict(0.0, 2.37) == "not measured" and verdict(math.nan, 1.0) == "not measured"
+    assert verdict(1.2, 1.0).startswith("reproduced") and verdict(1.6, 1.0).startswith("not reproduced")

@@ -13,7 +13,10 @@ import importlib
 from pathlib import Path
 from typing import Callable
 
-#: experiment name -> module (imported only when that experiment runs)
+#: experiment name -> module (imported only when that experiment runs). Each module X defines
+#: QUICK and FULL settings and run_experiments(settings, seed, log) -> results; X_report writes
+#: the report from the results and X_notes computes its prose from them. Imports go one way
+#: (X_report -> X_notes -> X), never in a circle.
 EXPERIMENTS: dict[str, str] = {
     "flowprefill": "flowyard.experiments.flowprefill",
     "pla-serve": "flowyard.experiments.pla_serve",
@@ -36,8 +39,13 @@ def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = Fa
     if key not in EXPERIMENTS:
         raise UnknownExperimentError(
             f"unknown experiment {name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
+    from flowyard.experiments.common import output_dir, reproduce_command
+
     module = importlib.import_module(EXPERIMENTS[key])
-    return module.run(Path(out), quick=quick, seed=seed, command=command, log=log)
+    report = importlib.import_module(EXPERIMENTS[key] + "_report")
+    out = output_dir(Path(out))
+    results = module.run_experiments(module.QUICK if quick else module.FULL, seed, log)
+    return report.write_report(results, out, command=command or reproduce_command(key, quick, seed, out))
 
 
 __all__ = ["DEFAULT_OUT", "EXPERIMENTS", "UnknownExperimentError", "run_experiment"]

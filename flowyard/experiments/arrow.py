@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from flowyard.core.metrics import meets_slo, summarize, tpot, ttft
 from flowyard.costmodel import make_cost_model
@@ -25,8 +24,6 @@ from flowyard.experiments.common import (
     Stopwatch,
     Tally,
     Threshold,
-    output_dir,
-    reproduce_command,
     stderr_log,
     threshold_search,
 )
@@ -283,11 +280,3 @@ def to_json(res: Results) -> dict:
             "scalability": {"rate_rps": res.scale_rate,
                             "gpus": {str(k): {n: search(s) for n, s in d.items()} for k, d in res.scale.items()}}}
 
-
-def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log: Log | None = None) -> Path:
-    """Run the experiments (QUICK or FULL settings) and write `out/arrow.md` + figures."""
-    from flowyard.experiments.arrow_report import write_report
-
-    out = output_dir(out)
-    res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or reproduce_command("arrow", quick, seed, out))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from flowyard.experiments.common import (
@@ -21,8 +20,6 @@ from flowyard.experiments.common import (
     Stopwatch,
     Tally,
     Threshold,
-    output_dir,
-    reproduce_command,
     stderr_log,
     threshold_search,
 )
@@ -186,13 +183,5 @@ def run_experiments(s: Settings, seed: int = 0, log: Log | None = None) -> Resul
     return res
 
 
-def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log: Log | None = None) -> Path:
-    """Run the experiments (QUICK or FULL settings) and write `out/dynaserve.md` + figures."""
-    from flowyard.experiments.dynaserve_report import write_report
 
-    out = output_dir(out)
-    res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or reproduce_command("dynaserve", quick, seed, out))
-
-
-__all__ = ["FULL", "QUICK", "Results", "Settings", "run", "run_experiments", "stderr_log"]
+__all__ = ["FULL", "QUICK", "Results", "Settings", "run_experiments", "stderr_log"]

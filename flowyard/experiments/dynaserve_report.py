@@ -14,19 +14,8 @@ import numpy as np
 from flowyard.experiments.common import Report, bar_panel, curve_panel, figure, fmt_x, ratio, save, source_revision
 from flowyard.experiments.dynaserve import BASE, CURVE, MODELS, SHAPES, SYSTEMS, WORKLOADS, Results
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, DSPoint
-from flowyard.experiments.dynaserve_notes import NOTES, SETUP
+from flowyard.experiments.dynaserve_notes import PAPER_HYBRID, PAPER_T1, PAPER_T4, SETUP, notes
 
-#: Table 1 of the paper: shape -> system -> (MFU G1, MFU G2, HBM G1, HBM G2, P50 TBT ms, P99 TBT ms, rps, att %)
-PAPER_T1: dict[str, dict[str, tuple[float, ...]]] = {
-    "P8192/D32": {DISAGG: (43.24, 0.19, 4.83, 5.77, 22.70, 58.09, 0.83, 100.0),
-                  COLOC: (38.94, 38.94, 39.67, 40.03, 309.68, 352.93, 1.49, 1.73)},
-    "P2048/D512": {DISAGG: (30.59, 7.93, 1.17, 94.83, 47.00, 65.11, 2.56, 99.83),
-                   COLOC: (21.26, 21.26, 94.23, 95.7, 46.86, 336.81, 2.83, 84.09)},
-    "P219/D1467": {DISAGG: (2.09, 14.34, 0.0, 96.27, 50.63, 74.47, 1.68, 99.95),
-                   COLOC: (13.98, 13.98, 95.2, 95.33, 47.99, 162.67, 2.86, 94.46)},
-}
-PAPER_HYBRID = {COLOC: (4.6, 316.32), DISAGG: (5.9, 399.31), DYNA: (7.4, 473.84)}
-PAPER_T4 = {0: 3606.93, 10: 3591.00, 50: 3564.90, 100: 3501.85}
 
 
 def _pct(v: float) -> str:
@@ -172,7 +161,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     hybrid(rep, res)
     sensitivity(rep, res)
     kv(rep, res)
-    rep.add("## Why ours differ", NOTES)
+    rep.add("## Why ours differ", notes(res))
     failures = res.tally.failures
     rep.add(f"Runs that did not finish: {len(failures)}" + "".join(f"\n- {f}" for f in failures[:20]))
     (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")

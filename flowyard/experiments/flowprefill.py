@@ -13,7 +13,6 @@ The runs live here; the write-up (tables, figures, the paper's numbers) in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -24,8 +23,6 @@ from flowyard.experiments.common import (
     Stopwatch,
     Tally,
     Threshold,
-    output_dir,
-    reproduce_command,
     stderr_log,
     threshold_search,
 )
@@ -221,11 +218,3 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     res.wall_s, res.tally = clock.elapsed, tally
     return res
 
-
-def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log: Log | None = None) -> Path:
-    """Run the experiments (QUICK or FULL settings) and write `out/flowprefill.md` + figures."""
-    from flowyard.experiments.flowprefill_report import write_report
-
-    out = output_dir(out)
-    res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or reproduce_command("flowprefill", quick, seed, out))

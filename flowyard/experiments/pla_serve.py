@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from flowyard.core.request import SLO, Status
 from flowyard.costmodel import make_cost_model
-from flowyard.experiments.common import Log, Stopwatch, Tally, output_dir, reproduce_command, stderr_log
+from flowyard.experiments.common import Log, Stopwatch, Tally, stderr_log
 from flowyard.policies.pla import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.policies.routers import RoundRobinPD
@@ -264,11 +263,3 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     res.wall_s, res.tally = clock.elapsed, tally
     return res
 
-
-def run(out: Path, *, quick: bool = False, seed: int = 0, command: str = "", log: Log | None = None) -> Path:
-    """Run the experiments (QUICK or FULL settings) and write `out/pla-serve.md` + figures."""
-    from flowyard.experiments.pla_serve_report import write_report
-
-    out = output_dir(out)
-    res = run_experiments(QUICK if quick else FULL, seed, log)
-    return write_report(res, out, command=command or reproduce_command("pla-serve", quick, seed, out))
