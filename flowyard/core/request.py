@@ -65,6 +65,7 @@ class Request:
     prompt_tokens: tuple[int, ...] | None = None
     block_hashes: tuple[int, ...] = ()
     hash_block_size: int = 0
+    priority: int = 0  # vLLM's semantics: lower runs earlier where a policy orders by priority
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

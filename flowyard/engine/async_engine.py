@@ -45,7 +45,7 @@ class AsyncLLMEngine:
     # -- EngineClient -----------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None,
-        session: str | None = None, task: str | None = None,
+        session: str | None = None, task: str | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if self._error:
             raise RuntimeError(f"engine failed: {self._error}")
@@ -58,6 +58,8 @@ class AsyncLLMEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         fields = {k: v for k, v in (("session", session), ("task", task)) if v is not None}
+        if priority:
+            fields["priority"] = priority
         self._commands.put(("add", request_id, prompt_ids, params, slo, time.monotonic(), fields))
         finished = False
         try:

@@ -47,7 +47,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None,
-        session: str | None = None, task: str | None = None,
+        session: str | None = None, task: str | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises QueueFullError at once if it cannot be queued.
         Cancelling the iteration (client gone) aborts the request and frees its KV."""

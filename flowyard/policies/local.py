@@ -33,13 +33,13 @@ class BatchConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (the chunk size)
     max_num_seqs: int = 256
     chunked_prefill: bool = True  # False: a prompt runs whole (alone if over the budget)
-    order: str = "fcfs"  # "fcfs" or "edf" (earliest TTFT deadline first)
+    order: str = "fcfs"  # "fcfs", "edf" (earliest TTFT deadline first) or "priority" (vLLM's)
     max_model_len: int | None = None  # sequences stop ("length") when they reach it
     max_repeats: int = 512  # longest decode-only run promised in one plan
 
     def __post_init__(self) -> None:
-        if self.order not in ("fcfs", "edf"):
-            raise ValueError(f"order must be 'fcfs' or 'edf', got {self.order!r}")
+        if self.order not in ("fcfs", "edf", "priority"):
+            raise ValueError(f"order must be 'fcfs', 'edf' or 'priority', got {self.order!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_repeats < 1:
             raise ValueError("token budget, max_num_seqs and max_repeats must be positive")
 
@@ -74,6 +74,8 @@ class BatchScheduler(LocalScheduler):
         if self.config.order == "edf":
             deadline = req.arrival + req.slo.ttft if req.slo.ttft is not None else INF
             return (deadline, req.arrival, req.id)
+        if self.config.order == "priority":  # vLLM's priority scheduling: lower value first
+            return (req.priority, req.arrival, req.id)
         return (req.arrival, req.id)
 
     def _push_waiting(self, st: RequestState) -> None:

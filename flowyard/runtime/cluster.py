@@ -167,13 +167,13 @@ class LocalCluster(ClusterBase):
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None, arrival: float | None = None, *,
-                    session: str | None = None, task: str | None = None) -> None:
+                    session: str | None = None, task: str | None = None, priority: int = 0) -> None:
         """Route the request (the policy sees it whole: SLO, task, session and the history it
         shares with the session's last turn) and queue it where the policy says."""
         if request_id in self._where:
             raise ValueError(f"duplicate request id {request_id!r}")
         t = self.engines[0].make_request(request_id, prompt_ids, params, slo, arrival, task=task,
-                                         **self.sessions.fields(prompt_ids, session))
+                                         priority=priority, **self.sessions.fields(prompt_ids, session))
         self._new[t.state.id] = t
         try:
             dst = self.core.arrive(t.state, self.now())

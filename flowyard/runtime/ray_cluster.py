@@ -134,13 +134,13 @@ class RayCluster(ClusterBase):
     # -- the engine surface ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     slo: SLO | None = None, arrival: float | None = None, *,
-                    session: str | None = None, task: str | None = None) -> None:
+                    session: str | None = None, task: str | None = None, priority: int = 0) -> None:
         if request_id in self._where:
             raise ValueError(f"duplicate request id {request_id!r}")
         now = self.now()
         arrived = now if arrival is None else min(now, arrival - self._t0)
         req = new_request(next(self._ids), arrived, prompt_ids, params, slo, self.max_model_len, task=task,
-                          **self.sessions.fields(prompt_ids, session))
+                          priority=priority, **self.sessions.fields(prompt_ids, session))
         st = RequestState(req)
         self._rid[st.id], self._new[st.id] = request_id, params
         try:
@@ -151,7 +151,7 @@ class RayCluster(ClusterBase):
             del self._rid[st.id]
             raise ValueError(st.reject_reason or "no instance can take this request now")
         self._where[request_id] = dst
-        self._inputs[request_id] = (prompt_ids, params, slo, arrival, session, task)
+        self._inputs[request_id] = (prompt_ids, params, slo, arrival, session, task, priority)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         where = self._where.pop(request_id, None)
@@ -233,9 +233,10 @@ class RayCluster(ClusterBase):
             del self._where[rid]
             inputs = self._inputs.pop(rid, None)
             if inputs is not None and self.instance_ids():
-                prompt, params, slo, arrival, session, task = inputs
+                prompt, params, slo, arrival, session, task, priority = inputs
                 try:
-                    self.add_request(rid, prompt, params, slo, arrival, session=session, task=task)
+                    self.add_request(rid, prompt, params, slo, arrival, session=session, task=task,
+                                     priority=priority)
                     continue
                 except ValueError:
                     pass

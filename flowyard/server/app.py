@@ -28,7 +28,8 @@ from flowyard.server.errors import APIError, install_error_handlers, server_erro
 from flowyard.server.metrics import ServerMetrics
 from flowyard.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from flowyard.server.serving import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, Generation, Prepared,
-                                     prepare_chat, prepare_completion, read_json, until_disconnect)
+                                     prepare_chat, prepare_completion, read_json, until_disconnect,
+                                     with_slo_headers)
 from flowyard.server.streaming import SSEResponse, collect, full_response, sse_events
 
 log = logging.getLogger("flowyard.server")
@@ -111,7 +112,8 @@ def build_router() -> APIRouter:
         arrival = time.perf_counter()
         st = _state(request)
         req = await read_json(request, ChatCompletionRequest, st.max_body_bytes)
-        p = prepare_chat(req, st.engine, st.served_model_name, st.default_max_tokens)
+        p = with_slo_headers(prepare_chat(req, st.engine, st.served_model_name, st.default_max_tokens),
+                             request.headers)
         return await _serve(request, "chat", p, arrival)
 
     @router.post("/v1/completions")
@@ -119,7 +121,8 @@ def build_router() -> APIRouter:
         arrival = time.perf_counter()
         st = _state(request)
         req = await read_json(request, CompletionRequest, st.max_body_bytes)
-        p = prepare_completion(req, st.engine, st.served_model_name, st.default_max_tokens)
+        p = with_slo_headers(prepare_completion(req, st.engine, st.served_model_name, st.default_max_tokens),
+                             request.headers)
         return await _serve(request, "cmpl", p, arrival)
 
     @router.get("/v1/models")

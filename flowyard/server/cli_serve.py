@@ -28,6 +28,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="vllm",
                    help="scheduling policy across instances (vllm, round-robin, least-load, distserve, ...)")
     p.add_argument("--prefill-instances", type=int, default=None, help="prefill instances of PD policies")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="queue order of the instances' batch schedulers: arrival, or the requests' "
+                        "`priority` field (lower first), as vLLM's --scheduling-policy")
     p.add_argument("--ray", action="store_true",
                    help="one process per instance as Ray actors (a local Ray cluster unless --ray-address)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (implies --ray)")
@@ -75,7 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeline = Timeline()
     else:  # the recent decisions, for /dashboard
         decisions = DecisionLog(limit=5000)
-    if args.instances > 1 or args.policy != "vllm" or use_ray or timeline is not None:
+    if (args.instances > 1 or args.policy != "vllm" or use_ray or timeline is not None
+            or args.scheduling_policy != "fcfs"):
         from flowyard.policies.flowprefill import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy, policy_requires_predictor
 
@@ -87,6 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_instances=args.instances, num_prefill=args.prefill_instances,
             chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, predictor=predictor,
             flowprefill=FlowPrefillConfig(granularity=args.preemption, max_num_seqs=args.max_num_seqs)))
+        if args.scheduling_policy == "priority":
+            import dataclasses
+
+            policy.configs = {r: dataclasses.replace(c, order="priority") for r, c in policy.configs.items()}
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster
 

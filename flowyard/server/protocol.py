@@ -64,6 +64,8 @@ class _SamplingRequest(_Body):
     # flowyard extension: the conversation a request continues (PLA-Serve's session affinity
     # and re-prefill of its history) and a task tag (DynaServe learns output lengths per task)
     session_id: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's extension: lower runs earlier under `serve --scheduling-policy priority`
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     task: str | None = Field(None, min_length=1, max_length=64)
     # known but unsupported unless left at their neutral value (checked in serving.py)
     presence_penalty: float | None = None

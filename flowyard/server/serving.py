@@ -9,7 +9,9 @@ that a request which did not finish is aborted in the engine however the HTTP si
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import logging
 import time
 import uuid
@@ -55,11 +57,15 @@ class Prepared:
     created: int
     session: str | None = None
     task: str | None = None
+    priority: int = 0
 
     @property
     def routing(self) -> dict:
         """What the global scheduler learns besides the prompt (only what the client gave)."""
-        return {k: v for k, v in (("session", self.session), ("task", self.task)) if v is not None}
+        out = {k: v for k, v in (("session", self.session), ("task", self.task)) if v is not None}
+        if self.priority:
+            out["priority"] = self.priority
+        return out
 
 
 async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
@@ -122,6 +128,37 @@ def check_model(requested: str | None, served: str) -> str:
     return served
 
 
+SLO_HEADERS = {"x-slo-ttft-ms": "ttft", "x-slo-tpot-ms": "tpot", "x-slo-tbt-ms": "tbt"}
+
+
+def with_slo_headers(p: Prepared, headers) -> Prepared:
+    """Per-request SLOs from `x-slo-ttft-ms` / `x-slo-tpot-ms` / `x-slo-tbt-ms` headers
+    (milliseconds), merged with the body's; a bad value, or a header that contradicts the
+    body, is a 400."""
+    given = {}
+    for name, field in SLO_HEADERS.items():
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms > 0):
+            raise APIError(400, f"header {name} must be a positive number of milliseconds, got {raw!r}",
+                           param=name, code="invalid_value")
+        given[field] = ms / 1e3
+    if not given:
+        return p
+    body = p.slo or SLO()
+    for field, v in given.items():
+        old = getattr(body, field)
+        if old is not None and abs(old - v) > 1e-9:
+            raise APIError(400, f"the {field} SLO is {old:g} s in the body but {v:g} s in the header; give one",
+                           param=field + "_slo", code="invalid_value")
+    return dataclasses.replace(p, slo=dataclasses.replace(body, **given))
+
+
 def _slo(req: _SamplingRequest) -> SLO | None:
     flat = {k: getattr(req, f"{k}_slo") for k in ("ttft", "tpot", "tbt")}
     if req.slo is not None and any(v is not None for v in flat.values()):
@@ -173,7 +210,7 @@ def _finish(req: _SamplingRequest, kind: str, served: str, prompt_ids: list[int]
                        default_max_tokens, prompt_param)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Prepared(f"{kind}-{uuid.uuid4().hex}", served, prompt_ids, params, _slo(req), req.stream,
-                    include_usage, int(time.time()), req.session_id, req.task)
+                    include_usage, int(time.time()), req.session_id, req.task, req.priority)
 
 
 def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, served: str,
