@@ -89,17 +89,32 @@ def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
                                       predictor=predictor))
 
 
+def _bar_on(args: argparse.Namespace) -> bool:
+    """Progress bars only for a person watching: not with --quiet, not when stderr is not a
+    terminal, not when the JSON goes to standard output (`--json -`)."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty() and getattr(args, "json", None) != "-"
+
+
+def _human(args: argparse.Namespace):
+    """Where tables and notes go: stderr when standard output carries the JSON."""
+    return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+
+
 @contextmanager
-def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    if not enabled or not sys.stderr.isatty():
+def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int | None], None] | None]:
+    if not enabled:
         yield None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True) as bar:
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+        def update(done: int, total: int | None, label: str | None = None) -> None:
+            bar.update(task, completed=done, total=total, **({"description": label} if label else {}))
+        yield update
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -114,27 +129,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from flowyard.cluster.timeline import Timeline
 
         timeline = Timeline()
-    with _progress(not args.quiet, f"simulating {cfg.policy}") as progress:
+    out = _human(args)
+    with _progress(_bar_on(args), f"simulating {cfg.policy}") as progress:
         summary, result = simulate(cfg, workload, progress=progress, timeline=timeline)
     if timeline is not None:
         timeline.write(args.timeline)
         print(f"wrote the timeline to {args.timeline} (open it in https://ui.perfetto.dev)", file=sys.stderr)
-    print(format_table(summary))
+    print(format_table(summary), file=out)
     if cfg.concurrency is not None:
         print(f"closed loop: {cfg.concurrency} clients, think time {cfg.think_time:g} s "
-              f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)")
+              f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)", file=out)
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
-          f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}")
+          f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}", file=out)
     extra = {"config": vars(cfg), "events": result.events, "sim_time_s": result.sim_time}
     blocking = result.preemption_blocking
     if blocking:
         extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
                                            "max": 1e3 * max(blocking)}
         print(f"preemptions: {len(blocking):,}  blocking mean {extra['preemption_blocking_ms']['mean']:.2f} ms"
-              f"  max {extra['preemption_blocking_ms']['max']:.2f} ms")
+              f"  max {extra['preemption_blocking_ms']['max']:.2f} ms", file=out)
     if args.json:
         write_json(summary, args.json, extra=extra)
-        print(f"wrote {args.json}")
+        if args.json != "-":
+            print(f"wrote {args.json}", file=out)
     if args.plot:
         from flowyard.bench.plot import plot_cdf
 
@@ -161,26 +178,32 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     cost = build_cost_model(base)
     # The search runs in req/s; a rate r replays the trace at rate scale r / base_rate.
     mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
-    results = []
-    for name in policies:
-        cfg = base.replace(policy=name)
+    results, runs, out, bar_on = [], [0], _human(args), _bar_on(args)
+    with _progress(bar_on, "goodput search") as bar:
+        for name in policies:
+            cfg = base.replace(policy=name)
 
-        def attainment(rate: float, cfg=cfg) -> float:
-            scale = rate / mean_rate
-            summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
-            if not args.quiet:
-                print(f"  {cfg.policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  "
-                      f"attainment {summary.slo_attainment:6.1%}", file=sys.stderr)
-            return summary.slo_attainment
+            def attainment(rate: float, cfg=cfg) -> float:
+                scale = rate / mean_rate
+                summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
+                runs[0] += 1
+                line = (f"  {cfg.policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  "
+                        f"attainment {summary.slo_attainment:6.1%}")
+                if bar is not None:
+                    bar(runs[0], None, f"goodput search: {line.strip()}")
+                elif not args.quiet:
+                    print(line, file=sys.stderr)
+                return summary.slo_attainment
 
-        res = goodput_search(attainment, lo=args.scale_lo * mean_rate, hi=args.scale_hi * mean_rate,
-                             target=args.target, tol=args.tol, policy=name)
-        results.append(res)
-    print(format_goodput_table(results))
-    print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average")
+            res = goodput_search(attainment, lo=args.scale_lo * mean_rate, hi=args.scale_hi * mean_rate,
+                                 target=args.target, tol=args.tol, policy=name)
+            results.append(res)
+    print(format_goodput_table(results), file=out)
+    print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average", file=out)
     if args.json:
         write_goodput_json(results, args.json, extra={"config": vars(base), "base_rate_rps": mean_rate})
-        print(f"wrote {args.json}")
+        if args.json != "-":
+            print(f"wrote {args.json}", file=out)
     if args.plot:
         from flowyard.bench.plot import plot_goodput
 
@@ -212,8 +235,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
     start = time.perf_counter()
-    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+    with _progress(_bar_on(args), f"reproduce {name}") as bar:
+        runs = [0]
+
+        def on_bar(m: str) -> None:
+            runs[0] += 1
+            bar(runs[0], None, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+
+        log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
+        path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
     return 0
 

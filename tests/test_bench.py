@@ -313,3 +313,27 @@ def test_prompts_and_caps():
         "messages": [{"role": "user", "content": "hi"}]}
     w = cap_lengths(workload([10, 500], [900, 5]), max_input_len=100, max_output_len=50)
     assert [(r.prompt_len, r.target_output) for r in w.requests] == [(10, 50), (100, 5)]
+
+
+def test_save_result_and_json_to_stdout(fake, tmp_path, capsys):
+    """vLLM's --save-result/--result-dir/--result-filename, per-request lists included, and
+    `--json -`: the JSON alone on standard output, the tables on stderr; a Mooncake trace
+    (prefix hashes) replays too."""
+    f, url = fake
+    f.ttft, f.itl = 0.01, 0.005
+    code = _cli(["--base-url", url, "--trace", "mooncake-conv", "--num-prompts", "3", "--request-rate", "inf",
+                 "--max-output-len", "3", "--max-input-len", "64", "--endpoint", "completions",
+                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json", "--json", "-"])
+    assert code == 0
+    cap = capsys.readouterr()
+    data = json.loads(cap.out)  # nothing else on stdout
+    assert "Serving Benchmark Result" in cap.err and f"wrote {tmp_path / 'run.json'}" in cap.err
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved["completed"] == data["completed"] == 3
+    for key in ("ttfts", "itls", "latencies", "input_lens", "output_lens", "generated_texts", "errors"):
+        assert len(saved[key]) == 3, key
+    assert all(t > 0 for t in saved["ttfts"]) and all(len(i) == n - 1 for i, n in zip(saved["itls"], saved["output_lens"]))
+    code = _cli(["--base-url", url, "--trace", "mooncake-conv", "--num-prompts", "1", "--request-rate", "inf",
+                 "--max-output-len", "2", "--max-input-len", "32", "--endpoint", "completions", "--quiet",
+                 "--save-result", "--result-dir", str(tmp_path / "nope")])
+    assert code == 1 and "cannot write results" in capsys.readouterr().err

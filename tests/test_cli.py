@@ -71,3 +71,19 @@ def test_goodput_searches_each_policy(tmp_path):
 def test_json_to_missing_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["simulate", *SMALL, "--json", str(tmp_path / "no" / "r.json")]) == 1
     assert "no/r.json" in capsys.readouterr().err
+
+
+def test_json_to_stdout_keeps_stdout_clean(capsys):
+    """`--json -`: the JSON alone on standard output (tables and notes on stderr), so it pipes
+    into jq; progress bars stay off there (and whenever stderr is not a terminal)."""
+    import json
+
+    from flowyard.cli import main
+
+    assert main(["simulate", "--trace", "azure-code", "--duration", "20", "--policy", "vllm", "--json", "-"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["policy"] == "vllm" and "TTFT" in cap.err
+    assert main(["goodput", "--trace", "azure-code", "--duration", "20", "--policies", "vllm",
+                 "--scale-hi", "2", "--tol", "0.5", "--json", "-"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["results"][0]["policy"] == "vllm" and "goodput" in cap.err.lower()

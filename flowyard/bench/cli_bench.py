@@ -13,6 +13,7 @@ server that is down or a failed run exits 1. Nothing here prints a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -73,7 +74,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     o = p.add_argument_group("results")
     o.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
-    o.add_argument("--json", default=None, metavar="PATH", help="write results (vLLM keys too)")
+    o.add_argument("--json", default=None, metavar="PATH",
+                   help="write results (vLLM keys too); - writes them to standard output")
+    o.add_argument("--save-result", action="store_true",
+                   help="as vllm bench serve: write the results JSON (per-request ttfts, itls, latencies, ...) "
+                        "to --result-dir/--result-filename")
+    o.add_argument("--result-dir", default=".", metavar="DIR", help="with --save-result (default .)")
+    o.add_argument("--result-filename", default=None, metavar="NAME",
+                   help="with --save-result (default flowyard-{rate}qps-{model}-{time}.json)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     return p
@@ -121,6 +129,16 @@ def format_extra(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _result_filename(args: argparse.Namespace, result: BenchResult) -> str:
+    """vLLM's default name: {backend}-{rate}qps[-concurrency{n}]-{model}-{YYYYmmdd-HHMMSS}.json."""
+    import datetime
+
+    rate = "inf" if args.request_rate in (None, float("inf")) else f"{args.request_rate:g}"
+    conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    model = str(result.model).replace("/", "_")
+    return f"flowyard-{rate}qps{conc}-{model}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run `flowyard bench`; returns the exit code (0 ok, 1 run failed, 2 bad input)."""
     from flowyard.bench.client import BenchError
@@ -142,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:  # unknown trace, unreadable file, bad values
         return _error(str(e), EXIT_USAGE)
     try:
-        with _progress(not args.quiet) as progress:
+        with _progress(not args.quiet and args.json != "-") as progress:
             result = run_bench(args.base_url, w, endpoint=args.endpoint, model=args.model,
                                api_key=args.api_key, max_concurrency=args.max_concurrency,
                                request_rate=args.request_rate, burstiness=args.burstiness,
@@ -154,14 +172,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _error(str(e), 1)
     except KeyboardInterrupt:
         return 130
-    print(format_table(result.summary))
-    print(format_extra(result))
-    if args.json:
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(format_table(result.summary), file=out)
+    print(format_extra(result), file=out)
+    paths = [args.json] if args.json else []
+    if args.save_result:
+        paths.append(os.path.join(args.result_dir, args.result_filename or _result_filename(args, result)))
+    for path in paths:
         try:
-            write_json(result.summary, args.json, extra={**result.vllm_metrics(), **result.config})
+            write_json(result.summary, path, extra={**result.vllm_metrics(), **result.config})
         except OSError as e:
             return _error(str(e), 1)
-        print(f"wrote {args.json}")
+        if path != "-":
+            print(f"wrote {path}", file=out)
     if result.summary.completed == 0:
         first = result.errors()[0][1] if result.errors() else "no response"
         return _error(f"all {len(result.outputs)} requests failed (first error: {first})", 1)

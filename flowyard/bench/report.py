@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
@@ -99,6 +100,11 @@ def format_goodput_table(results: Mapping[str, GoodputResult] | Sequence[Goodput
 
 
 def _write(path: str | os.PathLike, obj: dict) -> None:
+    """Write `obj` as JSON to `path`; "-" is standard output."""
+    if os.fspath(path) == "-":
+        json.dump(obj, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
