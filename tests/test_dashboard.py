@@ -49,10 +49,12 @@ def test_state_has_instances_decisions_and_latencies(server):
     assert [(i["id"], i["role"]) for i in s["instances"]] == [(0, "prefill"), (1, "decode")]
     kinds = [e["kind"] for e in s["events"]]
     assert kinds.count("route") == 6 and kinds.count("handoff") == 6
+    assert [(k["src"], k["dst"]) for k in s["transfers"]] == [(0, 1)] * 6 and s["transfers_total"] == 6
+    assert all(k["seconds"] >= 0 for k in s["transfers"])
     assert len(s["latency"]) == 6 and s["attainment"] == 1.0
     assert all(p["ttft"] > 0 and p["ttft_slo"] == 5 for p in s["latency"])
-    again = httpx.get(server + "/dashboard/state", params={"since": s["total"]}).json()
-    assert again["events"] == [] and again["total"] == s["total"]  # only what is new
+    again = httpx.get(server + "/dashboard/state", params={"since": s["total"], "since_kv": 6}).json()
+    assert again["events"] == again["transfers"] == [] and again["total"] == s["total"]  # only what is new
     assert httpx.get(server + "/dashboard/state", params={"since": -1}).status_code == 400
 
 
@@ -69,6 +71,7 @@ def test_the_page_draws_the_cluster_in_a_real_browser(server):
         assert page.locator("#instances tbody tr").count() == 2
         assert "prefill" in page.locator("#instances").inner_text()
         assert "handoff 6" in page.locator("#counts").inner_text()
+        assert "kv 6" in page.locator("#counts").inner_text()
         assert "100.0 %" in page.locator("#attainment").inner_text()
         png = page.locator("#latency").screenshot()
         browser.close()

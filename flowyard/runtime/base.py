@@ -4,6 +4,7 @@ aggregate gauges the server reads (`AsyncLLMEngine` drives any runtime)."""
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
@@ -67,6 +68,13 @@ class ClusterBase:
         self.ticker = Ticker(policy.global_scheduler.period)
         self.sessions = Sessions()
         self._where = {}
+        # the last KV transfers, (time, request, src, dst, seconds): the live page shows them
+        self.transfers: collections.deque[tuple[float, int, int, int, float]] = collections.deque(maxlen=500)
+        self.transfers_total = 0
+
+    def _transferred(self, t: float, request: int, src: int, dst: int, seconds: float) -> None:
+        self.transfers.append((t, request, src, dst, seconds))
+        self.transfers_total += 1
 
     def _periodic(self, busy: bool) -> None:
         """The global scheduler's periodic work (pool controllers, instance monitors), on the

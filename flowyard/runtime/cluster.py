@@ -112,6 +112,7 @@ class LocalCluster(ClusterBase):
             start = self.now()
             data = src.runner.export_kv(src.kv.block_table(st.id)[:n])
             dst.runner.import_kv(dst.kv.block_table(st.id)[:n], data)
+            self._transferred(start, st.id, src.instance, dst.instance, self.now() - start)
             if self.timeline is not None:
                 self.timeline.transfer(st.id, src.instance, dst.instance, start, self.now())
             src.scheduler.release(st.id)

@@ -206,6 +206,8 @@ class RayCluster(ClusterBase):
             # Work sent while this step ran is not in its report: stay busy for it.
             self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
             self._sent_during_step.discard(i)
+            for rid, src, dst, start, end in trace[1]:
+                self._transferred(start, rid, src, dst, end - start)
             if self.timeline is not None:
                 self.timeline.steps += trace[0]
                 self.timeline.transfers += trace[1]

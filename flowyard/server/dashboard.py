@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse
 NOTABLE = ("flip", "preempt", "split", "handoff", "decode", "migrate", "reject")
 
 
-def cluster_state(client: Any, recent: Any, since: int = 0) -> dict:
+def cluster_state(client: Any, recent: Any, since: int = 0, since_kv: int | None = None) -> dict:
     """A JSON-able picture of the cluster behind an engine client, and the decisions after the
     first `since` (the page passes back the `total` it last saw)."""
     engine = getattr(client, "engine", client)
@@ -40,6 +40,11 @@ def cluster_state(client: Any, recent: Any, since: int = 0) -> dict:
             total = core.log.total
             events = [{"t": d.t, "kind": d.kind, "request": d.request, "src": d.src, "dst": d.dst,
                        "detail": d.detail} for d in core.log.since(since)[-200:]]
+    kv_seen = since_kv if since_kv is not None else 0
+    transfers = list(getattr(engine, "transfers", ()))
+    kv_total = getattr(engine, "transfers_total", 0)
+    kv = [{"t": t, "request": r, "src": s, "dst": d, "seconds": sec}
+          for t, r, s, d, sec in transfers[max(0, len(transfers) - (kv_total - kv_seen)):]] if kv_seen < kv_total else []
     now = engine.now() if hasattr(engine, "now") else 0.0
     wall = time.time()
     latency = [{"ago": wall - t, "ttft": ttft, "tpot": tpot, "ttft_slo": ts, "tpot_slo": ps, "met": met}
@@ -56,6 +61,8 @@ def cluster_state(client: Any, recent: Any, since: int = 0) -> dict:
                        "token_interval": s.token_interval} for s in snaps],
         "events": events,
         "total": total,
+        "transfers": kv[-200:],
+        "transfers_total": kv_total,
         "latency": latency,
         "attainment": sum(judged) / len(judged) if judged else None,
     }
@@ -70,8 +77,8 @@ def dashboard_router() -> APIRouter:
         return HTMLResponse(page)
 
     @router.get("/dashboard/state")
-    async def state(request: Request, since: int = Query(0, ge=0)) -> dict:
+    async def state(request: Request, since: int = Query(0, ge=0), since_kv: int = Query(0, ge=0)) -> dict:
         s = request.app.state.flowyard
-        return cluster_state(s.engine, s.metrics.recent, since)
+        return cluster_state(s.engine, s.metrics.recent, since, since_kv)
 
     return router
