@@ -51,8 +51,8 @@ class Ticking(RoundRobin):
 def policy(router=None) -> Policy:
     cfg = BatchConfig()
 
-    def make(i, role, kv):
-        return WindowedScheduler(i, role, kv, cfg)
+    def make(i, role, kv, batch):  # batch: cfg with the executor's limits applied
+        return WindowedScheduler(i, role, kv, batch)
 
     return Policy("windowed", router or RoundRobin(), [Role.MIXED], {Role.MIXED: cfg}, {Role.MIXED: make})
 
