@@ -28,10 +28,9 @@ from flowyard.experiments.common import (
     threshold_search,
 )
 from flowyard.policies.arrow_pools import PREFILL_SIDE, Pool
-from flowyard.policies.registry import PolicyOptions, build_policy
-from flowyard.sim.run import SimConfig, build_topology, load_workload
-from flowyard.sim.simulator import SimulationError, Simulator
-from flowyard.workloads import Workload, clip, scale_rate
+from flowyard.sim.run import SimConfig, build_simulator, load_workload
+from flowyard.sim.simulator import SimulationError
+from flowyard.workloads import Workload, clip
 
 MODEL, HARDWARE, TARGET = "llama-3.1-8b", "h800", 0.9
 #: label -> (policy, instances, TP, prefill instances) on 8 GPUs (§7.1)
@@ -130,11 +129,8 @@ def _pool_stats(policy) -> tuple[int, int]:
 def run_apoint(cfg: SimConfig, workload: Workload, cost: CostModel) -> APoint:
     """One simulation as `flowyard.sim.run.simulate` assembles it (the cost model is also the
     predictor); a run that ends with requests stuck gives NaN numbers and the error."""
-    w = scale_rate(workload, cfg.rate_scale) if cfg.rate_scale != 1.0 else workload
-    opts = PolicyOptions(num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
-                         chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs, predictor=cost)
-    policy = build_policy(cfg.policy, opts)
-    sim = Simulator(w.requests, policy, cost, build_topology(cfg), block_size=cfg.block_size)
+    sim = build_simulator(cfg, workload, cost_model=cost)
+    policy = sim.policy
     try:
         res = sim.run()
     except SimulationError as e:

@@ -23,14 +23,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from flowyard.core.metrics import meets_slo, summarize
-from flowyard.costmodel.base import CostModel, with_error
+from flowyard.costmodel.base import CostModel
 from flowyard.policies.flowprefill import FlowPrefillConfig
-from flowyard.policies.registry import PolicyOptions, build_policy
-from flowyard.sim.run import SimConfig, build_topology
-from flowyard.sim.simulator import SimulationError, Simulator
+from flowyard.policies.registry import build_policy
+from flowyard.sim.run import SimConfig, build_simulator, policy_options
+from flowyard.sim.simulator import SimulationError
 from flowyard.experiments.report import (Report, bar_panel, curve_panel, figure, fmt_ms,  # noqa: F401
                                          fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
-from flowyard.workloads import Workload, scale_rate
+from flowyard.workloads import Workload
 
 Log = Callable[[str], None]
 
@@ -67,13 +67,8 @@ def run_point(cfg: SimConfig, workload: Workload, cost: CostModel,
     """One simulation as `flowyard.sim.run.simulate` assembles it, plus FlowPrefill's knobs.
     A run that ends with requests stuck (a scheduler deadlock) gives a Point with NaN numbers
     and the error, so a sweep records it as a miss instead of stopping."""
-    w = scale_rate(workload, cfg.rate_scale) if cfg.rate_scale != 1.0 else workload
-    opts = PolicyOptions(num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
-                         chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
-                         predictor=with_error(cost, cfg.predictor_error), flowprefill=flowprefill)
-    sim = Simulator(w.requests, build_policy(cfg.policy, opts), cost, build_topology(cfg),
-                    block_size=cfg.block_size, prefix_caching=cfg.prefix_caching,
-                    snapshot_staleness=cfg.snapshot_staleness)
+    policy = build_policy(cfg.policy, policy_options(cfg, cost, flowprefill=flowprefill))
+    sim = build_simulator(cfg, workload, cost_model=cost, policy=policy)
     try:
         res = sim.run()
     except SimulationError as e:

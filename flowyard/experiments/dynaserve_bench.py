@@ -31,8 +31,8 @@ from flowyard.costmodel.hardware import get_hardware
 from flowyard.costmodel.models import get_model
 from flowyard.experiments.common import Tally
 from flowyard.policies.dynaserve import DynaServeConfig
-from flowyard.policies.registry import PolicyOptions, build_policy
-from flowyard.sim.run import SimConfig, build_topology
+from flowyard.policies.registry import build_policy
+from flowyard.sim.run import SimConfig, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.workloads import Workload
 
@@ -95,15 +95,15 @@ class Cluster:
         self.model, self.tp, self.log = model, tp, log
         self.tally = tally if tally is not None else Tally()
         self.cost = make_cost_model(model, HARDWARE, tp=tp)
-        self.topology = build_topology(SimConfig(model=model, hardware=HARDWARE, tp=tp, instances=2))
         self.spec = get_model(model)
         self.peak = get_hardware(HARDWARE).peak_flops * tp
         self._cache: dict[tuple, DSPoint] = {}
 
-    def _policy(self, system: str, chunk: int | None, ds: DynaServeConfig | None):
-        opts = PolicyOptions(num_instances=2, num_prefill=1, chunk_size=chunk, max_num_seqs=256,
-                             predictor=self.cost, dynaserve=ds)
-        return build_policy({COLOC: "vllm", DISAGG: "distserve", DYNA: "dynaserve"}[system], opts)
+    def _simulator(self, system: str, chunk: int | None, ds: DynaServeConfig | None, w: Workload) -> Simulator:
+        cfg = SimConfig(model=self.model, hardware=HARDWARE, tp=self.tp, instances=2, prefill_instances=1,
+                        chunk_size=chunk, policy={COLOC: "vllm", DISAGG: "distserve", DYNA: "dynaserve"}[system])
+        policy = build_policy(cfg.policy, policy_options(cfg, self.cost, dynaserve=ds))
+        return build_simulator(cfg, w, cost_model=self.cost, policy=policy)
 
     def point(self, system: str, key: str, rate: float, make: Callable[[float], Workload], *,
               chunk: int | None = None, ds: DynaServeConfig | None = None) -> DSPoint:
@@ -112,7 +112,7 @@ class Cluster:
         if ck in self._cache:
             return self._cache[ck]
         w = make(rate)
-        sim = Simulator(w.requests, self._policy(system, chunk, ds), self.cost, self.topology, prefix_caching=False)
+        sim = self._simulator(system, chunk, ds, w)
         try:
             res = sim.run()
         except SimulationError as e:

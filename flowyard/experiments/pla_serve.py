@@ -25,10 +25,9 @@ from flowyard.core.request import SLO, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.experiments.common import Log, Stopwatch, Tally, stderr_log
 from flowyard.policies.pla import PLAConfig, is_short, length_model_of
-from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.policies.registry import build_policy
 from flowyard.policies.routers import RoundRobinPD
-from flowyard.sim.arrivals import ClosedLoop
-from flowyard.sim.run import SimConfig, build_topology, load_workload
+from flowyard.sim.run import SimConfig, build_simulator, load_workload, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.workloads import Workload, multi_turn_sessions, with_slo
 
@@ -155,13 +154,13 @@ class Runner:
     def __init__(self, tally: Tally, log: Log | None) -> None:
         self.cost = make_cost_model(MODEL, HARDWARE)
         self.lengths = length_model_of(self.cost)
-        self.topo = build_topology(SimConfig(hardware=HARDWARE))
         self.tally, self.log = tally, log
 
     def point(self, w: Workload, v: Variant, prefill: int, decode: int, conc: int, what: str) -> CLPoint:
         name, pla, rr = v
-        opts = PolicyOptions(num_instances=prefill + decode, num_prefill=prefill, predictor=self.cost, pla=pla)
-        pol = build_policy(name, opts)
+        cfg = SimConfig(model=MODEL, hardware=HARDWARE, instances=prefill + decode, prefill_instances=prefill,
+                        policy=name, prefix_caching=True, concurrency=conc)
+        pol = build_policy(name, policy_options(cfg, self.cost, pla=pla))
         if rr:
             pol.global_scheduler = RoundRobinPD()  # prefill dispatch in turn; decode as distserve
         computed: dict[int, int] = {}  # request id -> prompt tokens prefilled (cache hits excluded)
@@ -170,8 +169,7 @@ class Runner:
             for s in plan.prefills:
                 computed[s.state.id] = computed.get(s.state.id, 0) + s.n
 
-        sim = Simulator(w.requests, pol, self.cost, self.topo, prefix_caching=True,
-                        arrivals=ClosedLoop(w.requests, conc, 0.0), on_step=trace)
+        sim = build_simulator(cfg, w, cost_model=self.cost, policy=pol, on_step=trace)
         try:
             res = sim.run()
         except SimulationError as e:

@@ -13,10 +13,11 @@ from typing import Callable
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.metrics import Summary, summarize
+from flowyard.core.plan import StepPlan
 from flowyard.core.request import SLO
 from flowyard.costmodel import Link, get_hardware, make_cost_model
 from flowyard.costmodel.base import CostModel, with_error
-from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.policies.registry import Policy, PolicyOptions, build_policy
 from flowyard.sim.arrivals import ClosedLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator
@@ -129,6 +130,45 @@ def build_topology(cfg: SimConfig) -> Topology:
     return Topology(tp=cfg.tp, intra=Link.nvlink(hw), inter=Link.network(hw))
 
 
+def policy_options(cfg: SimConfig, cost: CostModel, **knobs) -> PolicyOptions:
+    """The policy's options from `cfg`; `knobs` are PolicyOptions' per-policy overrides
+    (flowprefill=, dynaserve=, pla=, ...) that experiments' ablations set."""
+    return PolicyOptions(
+        num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
+        chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
+        predictor=with_error(cost, cfg.predictor_error), **knobs,
+    )
+
+
+def build_simulator(
+    cfg: SimConfig,
+    workload: Workload | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    policy: Policy | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    on_step: Callable[[int, StepPlan, int], None] | None = None,
+    timeline: Timeline | None = None,
+) -> Simulator:
+    """The one assembly of a run (workload → policy → cost model → topology → simulator).
+    `workload` (unscaled) may be passed to avoid reloading it; `policy` one already built
+    (from `policy_options`) that the caller wants to inspect or adjust before the run."""
+    w = workload if workload is not None else load_workload(cfg)
+    if cfg.rate_scale != 1.0:  # never with concurrency (checked): closed loop ignores trace times
+        w = scale_rate(w, cfg.rate_scale)
+    cost = cost_model or build_cost_model(cfg)
+    if policy is None:
+        policy = build_policy(cfg.policy, policy_options(cfg, cost))
+    arrivals = (ClosedLoop(w.requests, cfg.concurrency, cfg.think_time)
+                if cfg.concurrency is not None else None)  # None: open-loop trace replay
+    return Simulator(
+        w.requests, policy, cost, build_topology(cfg),
+        block_size=cfg.block_size, progress=progress, on_step=on_step,
+        prefix_caching=cfg.prefix_caching, snapshot_staleness=cfg.snapshot_staleness,
+        arrivals=arrivals, timeline=timeline,
+    )
+
+
 def simulate(
     cfg: SimConfig,
     workload: Workload | None = None,
@@ -138,25 +178,8 @@ def simulate(
     timeline: Timeline | None = None,
 ) -> tuple[Summary, SimResult]:
     """Run one simulation; `workload` (unscaled) may be passed to avoid reloading it."""
-    w = workload if workload is not None else load_workload(cfg)
-    if cfg.rate_scale != 1.0:  # never with concurrency (checked): closed loop ignores trace times
-        w = scale_rate(w, cfg.rate_scale)
-    cost = cost_model or build_cost_model(cfg)
-    opts = PolicyOptions(
-        num_instances=cfg.instances, num_prefill=cfg.prefill_instances,
-        chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs,
-        predictor=with_error(cost, cfg.predictor_error),
-    )
-    policy = build_policy(cfg.policy, opts)
-    arrivals = (ClosedLoop(w.requests, cfg.concurrency, cfg.think_time)
-                if cfg.concurrency is not None else None)  # None: open-loop trace replay
-    sim = Simulator(
-        w.requests, policy, cost, build_topology(cfg),
-        block_size=cfg.block_size, progress=progress, prefix_caching=cfg.prefix_caching,
-        snapshot_staleness=cfg.snapshot_staleness,
-        arrivals=arrivals, timeline=timeline,
-    )
+    sim = build_simulator(cfg, workload, cost_model=cost_model, progress=progress, timeline=timeline)
     result = sim.run()
     # Arrivals are the send times the simulator recorded, so throughput is over the real span.
-    summary = summarize(result.states, policy=policy.name, wall_s=result.wall_s)
+    summary = summarize(result.states, policy=cfg.policy, wall_s=result.wall_s)
     return summary, result
