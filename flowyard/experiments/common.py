@@ -28,8 +28,8 @@ from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.policies.registry import build_policy
 from flowyard.sim.run import SimConfig, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError
-from flowyard.experiments.report import (Report, bar_panel, curve_panel, figure, fmt_ms,  # noqa: F401
-                                         fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
+from flowyard.experiments.report import (BAND, Report, band_verdict, bar_panel, curve_panel,  # noqa: F401
+                                         figure, fmt_ms, fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
 from flowyard.workloads import Workload
 
 Log = Callable[[str], None]

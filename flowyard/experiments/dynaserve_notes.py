@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from flowyard.experiments.common import fmt_range, fmt_x, ratio
+from flowyard.experiments.common import BAND, band_verdict, fmt_range, fmt_x, ratio
 from flowyard.experiments.dynaserve import BASE, WORKLOADS, Results
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, TBT_SLO
 from flowyard.policies.dynaserve import DynaServeConfig
@@ -28,8 +28,6 @@ PAPER_T4 = {0: 3606.93, 10: 3591.00, 50: 3564.90, 100: 3501.85}
 #: Fig. 9: DynaServe's serving capacity over each baseline, (lowest, highest, mean) over settings
 PAPER_CAPACITY = {COLOC: (1.15, 3.07, 2.37), DISAGG: (1.09, 1.67, 1.37)}
 PAPER_KV_REDUCTION = 0.94
-#: "reproduced" when ours is within this factor of the paper's (both ways)
-BAND = 1.5
 
 SETUP = """\
 **Setup.** Two instances on simulated {hardware} (roofline cost model), {models}. Systems:
@@ -45,14 +43,11 @@ cluster's 512 concurrent sequences. Metric definitions: `flowyard/experiments/dy
 
 
 def verdict(ours: float, paper: float, band: float = BAND) -> str:
-    """"reproduced" when ours is within `band`x of the paper's either way; a zero, missing or
-    non-finite value is never reproduced."""
-    if not (math.isfinite(ours) and math.isfinite(paper)) or ours <= 0 or paper <= 0:
-        return "not measured"
-    r = ours / paper
-    if 1 / band <= r <= band:
-        return f"reproduced (ours {r:.2f}x the paper's; band {1 / band:.2f}-{band:.2f}x)"
-    return f"not reproduced (ours {r:.2f}x the paper's; band {1 / band:.2f}-{band:.2f}x)"
+    """`band_verdict` against one paper number; a zero, missing or non-finite value (ours or the
+    paper's) is never reproduced."""
+    if not (math.isfinite(paper) and paper > 0):
+        return "not measured (no paper number)"
+    return band_verdict(ours, paper, paper, band)
 
 
 def _mean(vals: list[float]) -> float:

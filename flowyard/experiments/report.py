@@ -36,6 +36,29 @@ def fmt_ms(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{1e3 * v:.2f}"
 
 
+#: a reproduction's value counts as "reproduced" within this factor of the paper's range, each way
+BAND = 1.5
+
+
+def band_verdict(ours: float | Iterable[float], lo: float | None, hi: float, band: float = BAND) -> str:
+    """"reproduced" when every one of `ours` lies in the paper's range [lo, hi] widened by `band`
+    each way (lo None: the paper says "up to hi", read as (1, hi]); the band is in the text.
+    A zero, negative or non-finite value is "not measured", never reproduced, so a run that
+    produced nothing cannot pass."""
+    v = [ours] if isinstance(ours, (int, float)) else list(ours)
+    low = 1.0 if lo is None else lo
+    if not (band >= 1 and 0 < low <= hi):
+        raise ValueError(f"bad band {band} or paper range [{lo}, {hi}]")
+    if not v or any(not (math.isfinite(x) and x > 0) for x in v):
+        return "not measured (a zero or missing value)"
+    a, b = low / band, hi * band
+    shown = f"ours {fmt_range(v)}; band {a:.2g}×–{b:.2g}×"
+    if all(a <= x <= b for x in v):
+        return f"reproduced ({shown})"
+    side = "above" if min(v) > b else "below" if max(v) < a else "partly outside"
+    return f"not reproduced: {side} ({shown})"
+
+
 # ------------------------------------------------------------------------------- report
 
 def source_revision() -> str:
