@@ -28,6 +28,7 @@ from flowyard.experiments.common import (
 )
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.sim.run import SimConfig
+from flowyard.workloads import Workload
 from flowyard.workloads.multitask import qwentrace_like
 
 HARDWARE = "a800"
@@ -124,6 +125,7 @@ class Results:
     chunk: dict[str, Threshold] | None = None
     base_capacity: float = 0.0
     arrival_cv: float = 0.0  # coefficient of variation of the inter-arrival gaps
+    task_mix: dict[str, tuple[float, float]] = field(default_factory=dict)  # task -> (request, prompt-token share)
     wall_s: float = 0.0
     tally: Tally | None = None
 
@@ -133,6 +135,17 @@ def scenario(model: str, tp: int, s: Settings, seed: int, tally: Tally, log: Log
     cost = make_cost_model(model, HARDWARE, tp=tp)
     w = qwentrace_like(s.n_requests, rate=1.0, model=model, seed=seed)
     return Scenario(model, cfg, w, cost, tally=tally, log=log)
+
+
+def task_mix(w: Workload) -> dict[str, tuple[float, float]]:
+    """Per task tag: its share of the requests and of the prompt tokens (what the notes explain
+    FlowPrefill's per-task attainment with)."""
+    n, toks = len(w.requests), sum(r.prompt_len for r in w.requests)
+    out: dict[str, tuple[float, float]] = {}
+    for t in sorted({r.task or "-" for r in w.requests}):
+        rs = [r for r in w.requests if (r.task or "-") == t]
+        out[t] = (len(rs) / max(1, n), sum(r.prompt_len for r in rs) / max(1, toks))
+    return out
 
 
 def prefill_capacity(sc: Scenario) -> float:
@@ -184,6 +197,7 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     res.base_capacity = cap
     gaps = np.diff(base.workload.arrivals())
     res.arrival_cv = float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else 0.0
+    res.task_mix = task_mix(base.workload)
     grid = [f * cap for f in s.rate_fracs]
     if s.ablations:  # Figs. 10, 11, 15 on Llama3-8B
         res.priority_rate = s.ablation_slo_rate_frac * cap
