@@ -13,9 +13,10 @@ from pathlib import Path
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel import make_cost_model
-from flowyard.experiments.common import Report, curve_panel, figure, log_x, save, source_revision
+from flowyard.experiments.common import Report, curve_panel, figure, log_x, ratio, save, source_revision
 from flowyard.experiments.pla_serve import (BASELINE, CLUSTERS, DISTILL, FULL_PLA,
                                             HARDWARE, MAX_NEW_TOKENS, MODEL, NO_SPLIT, TTFT_SLO, CLPoint, Results)
+from flowyard.experiments.pla_serve_notes import differences, issues
 
 #: the paper's claims (§4, abstract): improvements, positive = PLA better
 PAPER = {"rps_1P": 20.0, "rps_8P": 33.0, "mean_lat": 20.0, "prefill_lat": 30.0, "viol_dp": 28.0,
@@ -99,7 +100,7 @@ def _headline(res: Results, rep: Report) -> None:
                          _verdict(PAPER[key], mean)])
     for trace, d in res.distill.items():
         base, pla = d.get(BASELINE), d.get("PLA deadline-free (pla)")
-        imp = 100 * (1 - pla.makespan / base.makespan) if base and pla else math.nan
+        imp = 100 * (1 - pla.makespan / base.makespan) if base and pla and base.makespan > 0 else math.nan
         rows.append([f"Table 2 distillation end-to-end time, {trace}",
                      f"−{PAPER['distill'][trace]:.1f} % ({'LMSys' if trace == 'azure-conv' else 'ShareGPT'})",
                      _pct(-imp) if math.isfinite(imp) else NA, _verdict(PAPER["distill"][trace], imp)])
@@ -231,7 +232,7 @@ def _table2(res: Results, rep: Report) -> None:
         rows.append(row)
     base = {t: d[BASELINE].makespan for t, d in res.distill.items()}
     rows.append(["PLA's change"] + [x for t, d in res.distill.items() for x in
-                                    (_pct(-100 * (1 - d["PLA deadline-free (pla)"].makespan / base[t])), "", "")])
+                                    (_pct(-100 * (1 - ratio(d["PLA deadline-free (pla)"].makespan, base[t]))), "", "")])
     rep.table(["system"] + [x for t in res.distill for x in (f"{t}: end-to-end (s)", f"{t}: mean TTFT (ms)",
                                                              f"{t}: busy P / D")], rows)
 
@@ -256,8 +257,6 @@ def _prices() -> dict[str, float]:
 
 
 def write_report(res: Results, out: Path, *, command: str) -> Path:
-    from flowyard.experiments.pla_serve_notes import differences, issues
-
     rep = Report(out, "pla-serve")
     t, rev = res.tally, source_revision()
     rep.add("# PLA-Serve (§4: Fig. 6, Fig. 7, Table 2) reproduced in the flowyard simulator",
