@@ -53,6 +53,46 @@ def test_differences_follow_the_run(quick_results):
     assert "stayed within the SLO" not in worse
 
 
+def _with_goodputs(res, arrow: dict[str, float], others: float | None = None):
+    """A copy of `res` whose goodputs are replaced: Arrow's per trace, every other system's by `others`."""
+    import copy
+
+    from flowyard.experiments.arrow import ARROW
+
+    res = copy.deepcopy(res)
+    for w in res.workloads:
+        for name, s in w.systems.items():
+            v = arrow[w.spec.trace] if name == ARROW else others if others is not None else s.goodput.value
+            s.goodput = Threshold(v, s.goodput.curve)
+    return res
+
+
+def test_differences_name_what_this_run_shows(quick_results):
+    """Which trace has Arrow's smallest margin, and on how many traces our ratios fall below the
+    paper's, are read from the results: other goodputs give other sentences."""
+    from flowyard.experiments.arrow_report import _differences, _headline
+    from flowyard.experiments.common import Report
+
+    res = quick_results[1]
+    traces = [w.spec.trace for w in res.workloads]
+    moon = _differences(_with_goodputs(res, {t: 2.0 if t == "mooncake-conv" else 40.0 for t in traces}, 1.0))
+    code = _differences(_with_goodputs(res, {t: 2.0 if t == "azure-code" else 40.0 for t in traces}, 1.0))
+    assert "smallest on Mooncake here (2.00×; the paper's 3.73×), as the TP8 scaling" in moon
+    assert "smallest on Azure Code here (2.00×; the paper's 5.62×)." in code
+    assert "below the paper's on 1 of 4 traces (Mooncake)" in moon
+    assert "below the paper's on 1 of 4 traces (Azure Code)" in code
+
+    def headline(r) -> str:
+        rep = Report(quick_results[0], "unused")
+        _headline(r, rep)
+        return "\n".join(rep.parts)
+
+    assert "close (within 15 %)" in headline(_with_goodputs(res, {"azure-code": 5.62, "azure-conv": 3.76,
+                                                                  "burstgpt": 3.6, "mooncake-conv": 3.73}, 1.0))
+    zeros = headline(_with_goodputs(res, dict.fromkeys(traces, 0.0), 0.0))
+    assert "close (within 15 %)" not in zeros and "higher" not in zeros
+
+
 def test_quick_run_writes_markdown_figures_and_curves(quick_report):
     md = (quick_report / "arrow.md").read_text(encoding="utf-8")
     figs = quick_report / "arrow"
