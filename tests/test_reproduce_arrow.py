@@ -82,6 +82,17 @@ def test_differences_name_what_this_run_shows(quick_results):
     assert "below the paper's on 1 of 4 traces (Mooncake)" in moon
     assert "below the paper's on 1 of 4 traces (Azure Code)" in code
 
+    # Fig. 9: goodput per GPU rising with the GPU count is said only when it does
+    import copy
+
+    grow, flat = copy.deepcopy(res), copy.deepcopy(res)
+    for r, f in ((grow, lambda k: 3.0 * k * k), (flat, lambda k: 3.0 * k)):
+        for k, by in r.scale.items():
+            s0 = by[next(iter(by))]
+            s0.goodput = Threshold(f(k), s0.goodput.curve)
+    assert "goodput grows faster than the GPU count here" in _differences(grow)
+    assert "does not grow with the GPU count (3.00 / 3.00 req/s per GPU)" in _differences(flat)
+
     def headline(r) -> str:
         rep = Report(quick_results[0], "unused")
         _headline(r, rep)
