@@ -149,3 +149,34 @@ def test_pla_serve_report_of_zeros_reproduces_nothing(tmp_path):
     assert "| reproduced |" not in text and "reproduced (" not in text
     assert "SLA-first moves the wait" not in text and "decode-bound" not in text
     assert "almost single requests" in text or "mean depth n/a" in text
+
+
+# ------------------------------------------------------------------------------- structure
+
+def _sources() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text(encoding="utf-8")) for p in sorted(EXP_DIR.glob("*.py"))}
+
+
+def test_runs_are_assembled_only_by_sim_run():
+    """No experiment builds a Simulator, a Topology or a cost model itself: `build_simulator`
+    and `build_cost_model` (what `flowyard simulate` uses) do."""
+    banned = {"Simulator", "Topology", "make_cost_model"}
+    for name, tree in _sources().items():
+        calls = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+                 for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert not calls & banned, (name, calls & banned)
+
+
+def test_imports_go_one_way():
+    """X_report may import X_notes and X, X_notes may import X; never the reverse, anywhere in the
+    module (a function-level import would hide a circle)."""
+    srcs = _sources()
+    for x in experiments.EXPERIMENTS.values():
+        stem = x.rsplit(".", 1)[1]
+        order = [stem, stem + "_notes", stem + "_report"]
+        for i, mod in enumerate(order):
+            if mod not in srcs:
+                continue
+            imported = {n.module.rsplit(".", 1)[1] for n in ast.walk(srcs[mod])
+                        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("flowyard.experiments.")}
+            assert not imported & set(order[i + 1:]), (mod, imported & set(order[i + 1:]))

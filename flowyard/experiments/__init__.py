@@ -1,10 +1,11 @@
 """`flowyard reproduce NAME`: one paper's experiments rerun in the simulator, written up as a
-markdown report with figures. Each experiment is a module with
+markdown report with figures. `run_experiment` is the one way to run one: module X gives
+QUICK/FULL settings and run_experiments(settings, seed, log) -> results, X_report.write_report
+turns the results into the report, and X_notes computes its prose from them.
 
-    run(out_dir, *, quick=False, seed=0, command="", log=None) -> pathlib.Path  (the report)
-
-Shared machinery (memoised simulation points, threshold searches, tables, figures, the report
-writer) is in `common.py`, so later papers' reproductions build their runs the same way.
+Every simulation is assembled by `flowyard.sim.run.build_simulator` (what `flowyard simulate`
+uses); shared machinery (memoised points, threshold searches, tables, figures, the band verdict)
+is in `common.py` and `report.py`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from flowyard.core.metrics import meets_slo, summarize, tpot, ttft
-from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import CostModel
 from flowyard.experiments.common import (
     Log,
@@ -28,7 +27,7 @@ from flowyard.experiments.common import (
     threshold_search,
 )
 from flowyard.policies.arrow_pools import PREFILL_SIDE, Pool
-from flowyard.sim.run import SimConfig, build_simulator, load_workload
+from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload
 from flowyard.sim.simulator import SimulationError
 from flowyard.workloads import Workload, clip
 
@@ -209,7 +208,7 @@ def scenario(name: str, spec: WorkloadSpec, w: Workload, policy: str, instances:
              prefill: int | None, seed: int, tally: Tally, log: Log | None) -> ArrowScenario:
     cfg = SimConfig(trace=spec.trace, model=MODEL, hardware=HARDWARE, tp=tp, instances=instances,
                     prefill_instances=prefill, policy=policy, seed=seed)
-    return ArrowScenario(name, cfg, w, make_cost_model(MODEL, HARDWARE, tp=tp), tally=tally, log=log)
+    return ArrowScenario(name, cfg, w, build_cost_model(cfg), tally=tally, log=log)
 
 
 def search(sc: ArrowScenario, policy: str, grid: tuple[float, ...], s: Settings, label: str) -> Search:

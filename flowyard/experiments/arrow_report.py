@@ -8,12 +8,11 @@ import json
 import math
 from pathlib import Path
 
-from flowyard.costmodel import make_cost_model
 from flowyard.core.plan import BatchShape
 from flowyard.experiments.arrow import (ABLATION, ARROW, DISAGG, HARDWARE, MODEL, SCALE_POLICIES, TARGET,
                                         VLLM, Results, Search, WorkloadResult, to_json, window)
 from flowyard.experiments.common import Report, curve_panel, figure, fmt_x, log_x, ratio, save, source_revision
-from flowyard.sim.run import DEFAULT_SLOS
+from flowyard.sim.run import DEFAULT_SLOS, SimConfig, build_cost_model
 
 #: §7.2: Arrow's sustainable rate over (vLLM, vLLM-disaggregated) per trace
 PAPER = {"azure-code": (5.62, 7.78), "burstgpt": (3.60, 5.04), "azure-conv": (3.76, 4.06),
@@ -227,7 +226,7 @@ def _fig9(res: Results, rep: Report) -> None:
 
 
 def _differences(res: Results) -> str:
-    c1, c8 = make_cost_model(MODEL, HARDWARE, tp=1), make_cost_model(MODEL, HARDWARE, tp=8)
+    c1, c8 = (build_cost_model(SimConfig(model=MODEL, hardware=HARDWARE, tp=tp)) for tp in (1, 8))
     sp = " / ".join(f"{c1.prefill_time(n) / c8.prefill_time(n):.1f}×" for n in (2048, 8192, 32768, 100_000))
     by = {w.spec.trace: w for w in res.workloads}
 

@@ -26,13 +26,12 @@ from typing import Callable
 import numpy as np
 
 from flowyard.core.metrics import tbt, ttft
-from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.hardware import get_hardware
 from flowyard.costmodel.models import get_model
 from flowyard.experiments.common import Tally
 from flowyard.policies.dynaserve import DynaServeConfig
 from flowyard.policies.registry import build_policy
-from flowyard.sim.run import SimConfig, build_simulator, policy_options
+from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.workloads import Workload
 
@@ -94,7 +93,7 @@ class Cluster:
                  tally: Tally | None = None) -> None:
         self.model, self.tp, self.log = model, tp, log
         self.tally = tally if tally is not None else Tally()
-        self.cost = make_cost_model(model, HARDWARE, tp=tp)
+        self.cost = build_cost_model(SimConfig(model=model, hardware=HARDWARE, tp=tp))
         self.spec = get_model(model)
         self.peak = get_hardware(HARDWARE).peak_flops * tp
         self._cache: dict[tuple, DSPoint] = {}

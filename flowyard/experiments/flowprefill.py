@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flowyard.costmodel import make_cost_model
 from flowyard.experiments.common import (
     Log,
     Scenario,
@@ -27,7 +26,7 @@ from flowyard.experiments.common import (
     threshold_search,
 )
 from flowyard.policies.flowprefill import FlowPrefillConfig
-from flowyard.sim.run import SimConfig
+from flowyard.sim.run import SimConfig, build_cost_model
 from flowyard.workloads import Workload
 from flowyard.workloads.multitask import qwentrace_like
 
@@ -132,7 +131,7 @@ class Results:
 
 def scenario(model: str, tp: int, s: Settings, seed: int, tally: Tally, log: Log | None) -> Scenario:
     cfg = SimConfig(model=model, hardware=HARDWARE, tp=tp, instances=2, prefill_instances=1, seed=seed)
-    cost = make_cost_model(model, HARDWARE, tp=tp)
+    cost = build_cost_model(cfg)
     w = qwentrace_like(s.n_requests, rate=1.0, model=model, seed=seed)
     return Scenario(model, cfg, w, cost, tally=tally, log=log)
 

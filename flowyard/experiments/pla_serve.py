@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowyard.core.request import SLO, Status
-from flowyard.costmodel import make_cost_model
 from flowyard.experiments.common import Log, Stopwatch, Tally, stderr_log
 from flowyard.policies.pla import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import build_policy
 from flowyard.policies.routers import RoundRobinPD
-from flowyard.sim.run import SimConfig, build_simulator, load_workload, policy_options
+from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.workloads import Workload, multi_turn_sessions, with_slo
 
@@ -152,7 +151,7 @@ def workload_stats(w: Workload, lengths) -> dict[str, float]:
 
 class Runner:
     def __init__(self, tally: Tally, log: Log | None) -> None:
-        self.cost = make_cost_model(MODEL, HARDWARE)
+        self.cost = build_cost_model(SimConfig(model=MODEL, hardware=HARDWARE))
         self.lengths = length_model_of(self.cost)
         self.tally, self.log = tally, log
 

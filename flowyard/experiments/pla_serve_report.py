@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 
 from flowyard.core.plan import BatchShape
-from flowyard.costmodel import make_cost_model
 from flowyard.experiments.common import Report, curve_panel, figure, log_x, ratio, save, source_revision
 from flowyard.experiments.pla_serve import (BASELINE, CLUSTERS, DISTILL, FULL_PLA,
                                             HARDWARE, MAX_NEW_TOKENS, MODEL, NO_SPLIT, TTFT_SLO, CLPoint, Results)
 from flowyard.experiments.pla_serve_notes import differences, issues
+from flowyard.sim.run import SimConfig, build_cost_model
 
 #: the paper's claims (§4, abstract): improvements, positive = PLA better
 PAPER = {"rps_1P": 20.0, "rps_8P": 33.0, "mean_lat": 20.0, "prefill_lat": 30.0, "viol_dp": 28.0,
@@ -249,7 +249,7 @@ def _finite(x):
 
 
 def _prices() -> dict[str, float]:
-    cost = make_cost_model(MODEL, HARDWARE)
+    cost = build_cost_model(SimConfig(model=MODEL, hardware=HARDWARE))
     one = BatchShape.of([(2000, 64)], [])
     chunk, mixed = BatchShape.of([(0, 2048)], []), BatchShape.of([(0, 2048), (2000, 64)], [])
     return {"short": cost.step_time(one), "graphed": cost.step_time(dataclasses.replace(one, graphed=True)),
