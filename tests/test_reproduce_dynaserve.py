@@ -101,3 +101,20 @@ def test_notes_are_computed_from_the_run(tiny):
     assert "reproduced (" not in notes(zero)
     assert verdict(0.0, 2.37).startswith("not measured") and verdict(math.nan, 1.0).startswith("not measured")
     assert verdict(1.2, 1.0).startswith("reproduced") and verdict(1.6, 1.0).startswith("not reproduced: above")
+
+
+def test_length_error_verdict_follows_the_run(tiny):
+    """'small, as in the paper' only when the measured changes are within ±5 %, never for zeros."""
+    res = tiny[0]
+
+    def with_goodput(f):
+        sens = {k: [dataclasses.replace(p, goodput_tps=f(k)) for p in pts] for k, pts in res.sensitivity.items()}
+        return notes(dataclasses.replace(res, sensitivity=sens))
+
+    from flowyard.experiments.dynaserve_notes import notes
+
+    assert "small (all within ±5 %), as in the paper" in with_goodput(lambda k: 100.0 - 0.02 * k)
+    assert "larger than the paper's (beyond ±5 %)" in with_goodput(lambda k: 100.0 - 0.5 * k)
+    zero = with_goodput(lambda k: 0.0)
+    assert "as in the paper" not in zero.split("**Length error**")[1].split("\n")[0]
+    assert "not measured (no goodput)" in zero

@@ -133,11 +133,13 @@ def _rest(res: Results) -> list[str]:
         spread = [ratio(max(p.goodput_tps for p in pts), min(p.goodput_tps for p in pts)) - 1
                   for pts in res.sensitivity.values() if len(pts) > 1 and min(p.goodput_tps for p in pts) > 0]
         if ch:
-            small = all(abs(v) < 0.05 for v in ch.values() if math.isfinite(v))
+            fin = [v for v in ch.values() if math.isfinite(v)]
+            small = bool(fin) and all(abs(v) < 0.05 for v in fin)
             out.append("- **Length error** moves goodput by "
                        + ", ".join(f"{100 * v:+.1f} % at std {k:g}" for k, v in ch.items())
-                       + (" (paper: -0.4 to -2.9 %): small, as in the paper" if small else
-                          " (paper: -0.4 to -2.9 %): larger than the paper's")
+                       + (" (paper: -0.4 to -2.9 %): small (all within ±5 %), as in the paper" if small else
+                          " (paper: -0.4 to -2.9 %): larger than the paper's (beyond ±5 %)" if fin else
+                          " (paper: -0.4 to -2.9 %): not measured (no goodput)")
                        + (f"; workload draws alone spread goodput by up to {100 * max(spread):.0f} %." if spread else "."))
     if res.kv:
         c, w = res.kv.get("chunked"), res.kv.get("whole")
