@@ -36,7 +36,7 @@ def test_differences_follow_the_run(quick_results):
     import dataclasses
 
     from flowyard.experiments.arrow import ARROW
-    from flowyard.experiments.arrow_report import _differences
+    from flowyard.experiments.arrow_notes import differences as _differences
 
     res = quick_results[1]
     text = _differences(res)
@@ -70,7 +70,8 @@ def _with_goodputs(res, arrow: dict[str, float], others: float | None = None):
 def test_differences_name_what_this_run_shows(quick_results):
     """Which trace has Arrow's smallest margin, and on how many traces our ratios fall below the
     paper's, are read from the results: other goodputs give other sentences."""
-    from flowyard.experiments.arrow_report import _differences, _headline
+    from flowyard.experiments.arrow_notes import differences as _differences
+    from flowyard.experiments.arrow_report import _headline
     from flowyard.experiments.common import Report
 
     res = quick_results[1]

@@ -1,6 +1,6 @@
 """The write-up of `flowyard reproduce arrow`: markdown, figures and a JSON of every curve. Every
-number comes from the `Results` passed in (or from the cost model the runs used); the typed-in
-numbers are the paper's (`PAPER*`), always labelled as such."""
+number comes from the `Results` passed in; the typed-in numbers are the paper's (`PAPER*` in
+`arrow_notes`), always labelled as such."""
 
 from __future__ import annotations
 
@@ -8,35 +8,12 @@ import json
 import math
 from pathlib import Path
 
-from flowyard.core.plan import BatchShape
-from flowyard.experiments.arrow import (ABLATION, ARROW, DISAGG, HARDWARE, MODEL, SCALE_POLICIES, TARGET,
-                                        VLLM, Results, Search, WorkloadResult, to_json, window)
+from flowyard.experiments.arrow import (ARROW, DISAGG, HARDWARE, MODEL, SCALE_POLICIES, TARGET, VLLM, Results,
+                                        Search, WorkloadResult, to_json)
+from flowyard.experiments.arrow_notes import (MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
+                                              goodput_ratio, ratio_text)
 from flowyard.experiments.common import Report, curve_panel, figure, fmt_x, log_x, ratio, save, source_revision
-from flowyard.sim.run import DEFAULT_SLOS, SimConfig, build_cost_model
-
-#: §7.2: Arrow's sustainable rate over (vLLM, vLLM-disaggregated) per trace
-PAPER = {"azure-code": (5.62, 7.78), "burstgpt": (3.60, 5.04), "azure-conv": (3.76, 4.06),
-         "mooncake-conv": (3.73, 4.14)}
-#: §7.3: SLO-aware over minimal load (rate), minimal load over round robin (attainment points, "up to")
-PAPER_ABLATION = {"azure-code": ("1.67×", 4.3), "azure-conv": ("1.1× (≈ +10 req/s)", 2.4)}
-SLO_AWARE, MINLOAD, RR = list(ABLATION)
-
-
-def _r(a: Search, b: Search) -> tuple[float, str]:
-    """Goodput ratio a/b and its qualifier: capped searches give bounds."""
-    x, y = a.goodput, b.goodput
-    v = ratio(x.value, y.value)
-    if x.capped and y.capped:
-        return v, "~"  # both beyond the grid: unknown
-    return v, "≥ " if x.capped or (y.never_met and x.value > 0) else ("≤ " if y.capped else "")
-
-
-def _rtext(a: Search, b: Search) -> str:
-    v, q = _r(a, b)
-    if q == "~":
-        return "n/a (both capped)"
-    return "∞ (never met)" if math.isinf(v) else q + fmt_x(v)
-
+from flowyard.sim.run import DEFAULT_SLOS
 
 def _verdict(ours: tuple[float, str], paper: float) -> str:
     v, q = ours
@@ -60,18 +37,18 @@ def _headline(res: Results, rep: Report) -> None:
     for w in res.workloads:
         sy, pv = w.systems, PAPER.get(w.spec.trace)
         for base, paper in ((VLLM, pv[0] if pv else None), (DISAGG, pv[1] if pv else None)):
-            ours = _r(sy[ARROW], sy[base])
+            ours = goodput_ratio(sy[ARROW], sy[base])
             rows.append([f"goodput over {base}, {w.spec.label}", f"{paper:.2f}×" if paper else "—",
-                         _rtext(sy[ARROW], sy[base]), _verdict(ours, paper) if paper else ""])
+                         ratio_text(sy[ARROW], sy[base]), _verdict(ours, paper) if paper else ""])
         rows.append([f"goodput over DistServe 4P4D, {w.spec.label}", "never meets the SLOs (§7.2)",
-                     _rtext(sy[ARROW], sy["DistServe 4P4D"]), ""])
+                     ratio_text(sy[ARROW], sy["DistServe 4P4D"]), ""])
     for w in res.workloads:
         if w.ablation:
             paper, pts = PAPER_ABLATION.get(w.spec.trace, ("—", None))
-            ours = _r(w.ablation[SLO_AWARE], w.ablation[MINLOAD])
+            ours = goodput_ratio(w.ablation[SLO_AWARE], w.ablation[MINLOAD])
             d = w.ablation[SLO_AWARE].goodput.value - w.ablation[MINLOAD].goodput.value
             rows.append([f"SLO-aware over minimal load, {w.spec.label}", paper,
-                         _rtext(w.ablation[SLO_AWARE], w.ablation[MINLOAD]) + f" ({d:+.0f} req/s)",
+                         ratio_text(w.ablation[SLO_AWARE], w.ablation[MINLOAD]) + f" ({d:+.0f} req/s)",
                          _verdict(ours, float(paper.split("×")[0])) if paper != "—" else ""])
             gain = _max_gain(w.ablation[MINLOAD], w.ablation[RR])
             rows.append([f"minimal load over round robin, {w.spec.label}: most attainment gained at one rate",
@@ -168,7 +145,7 @@ def _fig7(res: Results, rep: Report) -> None:
         rows = []
         for n, s in w.systems.items():
             p = s.points[r]
-            rows.append([n, _gp(s), _rtext(w.systems[ARROW], s) if n != ARROW else "—", f"{p.attainment:.1%}",
+            rows.append([n, _gp(s), ratio_text(w.systems[ARROW], s) if n != ARROW else "—", f"{p.attainment:.1%}",
                          f"{p.ttft_p90:.2f}", f"{1e3 * p.tpot_p90:.1f}", f"{p.ttft_ok:.1%}", f"{p.tpot_ok:.1%}"])
         a = w.systems[ARROW].points[r]
         rep.add(f"### {w.spec.label} (table at {r:g} req/s; Arrow: {a.flips} flips, up to {a.max_prefill} "
@@ -190,7 +167,7 @@ def _fig8(res: Results, rep: Report) -> None:
         slo_aware = w.ablation[SLO_AWARE]
         rep.add(f"### {w.spec.label}")
         rep.table(["strategy", "goodput (req/s)", "SLO-aware / strategy", "most attainment over round robin"],
-                  [[n, _gp(s), _rtext(slo_aware, s) if n != SLO_AWARE else "—",
+                  [[n, _gp(s), ratio_text(slo_aware, s) if n != SLO_AWARE else "—",
                     f"{_max_gain(s, w.ablation[RR]):+.1f} points" if n != RR else "—"] for n, s in w.ablation.items()])
         curve_panel(ax, {n: [(x, p.attainment) for x, p in s.points.items()] for n, s in w.ablation.items()},
                     xlabel="request rate (req/s)", ylabel="SLO attainment (%)", title=w.spec.label,
@@ -211,7 +188,7 @@ def _fig9(res: Results, rep: Report) -> None:
     rep.table(["GPUs", "SLO-aware goodput", "minimal-load goodput", "SLO-aware / minimal load",
                f"attainment at {r:g} req/s: SLO-aware", "minimal load"],
               [[k, _gp(res.scale[k][SLO_AWARE]), _gp(res.scale[k][MINLOAD]),
-                _rtext(res.scale[k][SLO_AWARE], res.scale[k][MINLOAD]),
+                ratio_text(res.scale[k][SLO_AWARE], res.scale[k][MINLOAD]),
                 f"{res.scale[k][SLO_AWARE].points[r].attainment:.1%}",
                 f"{res.scale[k][MINLOAD].points[r].attainment:.1%}"] for k in n])
     fig, (a, b) = figure(2)
@@ -223,105 +200,6 @@ def _fig9(res: Results, rep: Report) -> None:
         ax.set_xticks(n)
     save(fig, rep.figure_path("fig9_scalability.png"))
     rep.image("fig9_scalability.png", "Fig. 9: scalability")
-
-
-def _differences(res: Results) -> str:
-    c1, c8 = (build_cost_model(SimConfig(model=MODEL, hardware=HARDWARE, tp=tp)) for tp in (1, 8))
-    sp = " / ".join(f"{c1.prefill_time(n) / c8.prefill_time(n):.1f}×" for n in (2048, 8192, 32768, 100_000))
-    by = {w.spec.trace: w for w in res.workloads}
-
-    def vs(base: str) -> str:
-        return ", ".join(f"{w.spec.label} {_rtext(w.systems[ARROW], w.systems[base])}" for w in res.workloads)
-
-    def below_paper(base: int, name: str) -> list[str]:
-        """Traces whose ratio of Arrow over `name` is (an exact number or an upper bound) under the paper's."""
-        out = []
-        for w in res.workloads:
-            v, q = _r(w.systems[ARROW], w.systems[name])
-            pv = PAPER.get(w.spec.trace)
-            if pv and math.isfinite(v) and v > 0 and q in ("", "≤ ") and v < pv[base]:
-                out.append(w.spec.label)
-        return out
-
-    papered = [w for w in res.workloads if w.spec.trace in PAPER]
-    low = below_paper(1, DISAGG)
-    out = [f"- **Healthy disaggregated baselines.** Arrow over vLLM-disagg. 1P1D: {vs(DISAGG)}; over DistServe "
-           f"4P4D: {vs('DistServe 4P4D')}. In the paper both were held back by their implementations: vLLM "
-           "v0.7.3's PD mode overflowed its KV-transfer buffer (the authors enlarged it and limited the batch "
-           "size) and failed above 25 req/s on Azure Conversation and beyond the lowest rate on Mooncake; "
-           "DistServe ran out of memory and never met the SLOs. Our `distserve` runs on the same roofline, "
-           "KV links and batching as every other system, so only its static split separates it from Arrow"
-           + (f"; our ratio over vLLM-disagg. is below the paper's on {len(low)} of {len(papered)} traces"
-              + (f" ({', '.join(low)})" if low else "") if papered else "") + "."]
-    margin = {w.spec.trace: _r(w.systems[ARROW], w.systems[VLLM])[0] for w in res.workloads}
-    margin = {k: v for k, v in margin.items() if math.isfinite(v) and v > 0}
-    least = min(margin, key=margin.get) if margin else None
-    out.append(f"- **vLLM at TP8.** In our roofline one TP8 instance prefills {sp} faster than one TP1 GPU on "
-               "2k / 8k / 32k / 100k-token prompts: well under eight TP1 instances on short prompts, closer to "
-               "them on long ones such as Mooncake's (mean 14k tokens, up to 126k), where TP8 also has eight "
-               "GPUs' KV memory in one instance and the 30 s TTFT SLO is loose."
-               + (f" Arrow's margin over vLLM is smallest on {by[least].spec.label} here ({fmt_x(margin[least])}"
-                  + (f"; the paper's {PAPER[least][0]:.2f}×" if least in PAPER else "") + ")"
-                  + (", as the TP8 scaling predicts." if least == "mooncake-conv" else ".") if least else ""))
-    tp = [f"{w.spec.label} {1e3 * w.systems[ARROW].points[w.table_rate].tpot_p90:.0f} ms (SLO "
-          f"{1e3 * DEFAULT_SLOS[w.spec.trace].tpot:g})" for w in res.workloads]
-    step = [1e3 * float(c1.step_time(BatchShape.of([], [ctx] * n))) for n, ctx in ((8, 1024), (128, 2048))]
-    slos = sorted({1e3 * DEFAULT_SLOS[w.spec.trace].tpot for w in res.workloads})
-    binds = step[-1] >= 0.5 * slos[0] if slos else True
-    out.append("- **TTFT or TPOT?** Arrow's P90 TPOT at each table rate: " + ", ".join(tp) + ". "
-               f"A decode step of the 8B model on one simulated {HARDWARE} takes {step[0]:.0f} ms (8 sequences at "
-               f"1k context) to {step[1]:.0f} ms (128 at 2k), against TPOT SLOs of "
-               + "-".join(f"{v:g}" for v in slos) + " ms: "
-               + ("TPOT binds only under overload, so the misses at the table rates are mostly TTFT misses "
-                  "(TTFT met / TPOT met columns)." if not binds else
-                  "steps come close to the SLO, so TPOT binds too (TTFT met / TPOT met columns)."))
-    over = [f"{w.spec.label} {x:g} req/s: {1e3 * p.tpot_p90:.0f} ms" for w in res.workloads
-            for x, p in sorted(w.systems[ARROW].points.items()) if p.tpot_p90 > DEFAULT_SLOS[w.spec.trace].tpot]
-    if not over:
-        out.append("- **Decode load.** Arrow's P90 TPOT stayed within the SLO at every rate of this run, so its "
-                   "overload rule (favour decode) was not put to the test here.")
-    else:
-        out.append("- **Looks wrong in the Arrow policy: decode load that Alg. 2 does not see.** Past the goodput "
-                   "Arrow's P90 TPOT exceeds the SLO (" + "; ".join(over) + "), where the "
-                   "overload rule should favour decode (the paper: TPOT stays near the SLO). Traced on Azure "
-                   "Conversation: Alg. 2 ranks D instances by the tokens of their *running* requests and admits "
-                   "while those stay under Max Running Tokens, so a D instance at its 256-sequence batch limit, "
-                   "whose running tokens stay flat while KV migrations queue behind it, remains the least loaded "
-                   "and keeps receiving decodes; its token interval (steps of the 256 running) never trips the "
-                   "monitor and nothing flips towards decode. Traced on Mooncake: with the D instances' KV full, "
-                   "decodes go to P→D instances that still hold long queued prompts, and every step there carries "
-                   "a 2048-token chunk over a long history.")
-    out.append("- **Also in the policy: queued prompts stay where they were sent.** Alg. 1, the paper's only "
-               "path from decode to prefill, runs on arrivals, while Alg. 2 and the monitor move instances to "
-               "decode (the overload rule). Our monitor flips P→D instances holding stranded prompts back, but "
-               "queued prefills are never re-dispatched: under overload Arrow can end with one or two P "
-               "instances holding all queued prompts and, once arrivals stop, drains them there while D "
-               "instances idle: the far right of the P90 TTFT panels.")
-    if "burstgpt" in by:
-        wl = window(by["burstgpt"].spec, res.seed)
-        slow = sum(c1.prefill_time(r.prompt_len) > r.slo.ttft for r in wl.requests)
-        out.append(f"- **BurstGPT.** The 400-row public head replaces the paper's 6,009-request clip, so the "
-                   f"rates differ and few bursts decide the goodput. {slow} of its {len(wl)} prompts take longer "
-                   "than the 0.25 s TTFT SLO to prefill alone on one GPU: on TP1 instances (Arrow, DistServe) "
-                   "they always miss, while TP4/TP8 meet them when idle.")
-    if res.scale:
-        w = by[res.settings.scale_trace]
-        span = [(k, w.spec.duration or 0, res.scale[k][SLO_AWARE].goodput.value) for k in sorted(res.scale)]
-        mins = [x.spec.duration / 60 for x in res.workloads if x.spec.duration]
-        per = [g / k for k, _, g in span]
-        faster = len(per) > 1 and per[0] > 0 and all(a < b for a, b in zip(per, per[1:]))
-        out.append("- **Windows and compressed bursts.** Our windows are "
-                   + (f"{min(mins):g}–{max(mins):g} min" if mins else "whole traces") + ", not the paper's hour "
-                   "(see Setup), and Arrow's method compresses them: at Arrow's goodput the "
-                   f"{w.spec.label} window lasts " + " / ".join(
-                       f"{d * w.base_rate / g:.0f} s" if g > 0 else "n/a" for _, d, g in span)
-                   + f" on {'/'.join(str(k) for k, _, _ in span)} GPUs. The TTFT SLO does not shrink with it, so "
-                   "a burst of a given size costs less TTFT the faster the cluster"
-                   + (": goodput grows faster than the GPU count here (" + " / ".join(f"{x:.2f}" for x in per)
-                      + " req/s per GPU), where the paper reports nearly linear gains in attainment."
-                      if faster else "; in this run goodput per GPU does not grow with the GPU count ("
-                      + " / ".join(f"{x:.2f}" for x in per) + " req/s per GPU)."))
-    return "\n".join(out)
 
 
 def write_report(res: Results, out: Path, *, command: str) -> Path:
@@ -338,7 +216,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _fig7(res, rep)
     _fig8(res, rep)
     _fig9(res, rep)
-    rep.add("## Where and why ours differ", _differences(res))
+    rep.add("## Where and why ours differ", differences(res))
     if t.failures:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
                 "They count as missing the target and are left out of the curves:",
