@@ -93,6 +93,7 @@ class RooflineCostModel(CostModel):
         self._pkv, self._pqo = kv_b / bw, qo_b / bw
         dbw = hw.mem_bw * p.eff_attn_mem
         self._dkv, self._dqo = kv_b / dbw, qo_b / dbw
+        self._afix = p.attn_fixed_s  # per attention kernel that runs (0 under 'vidur')
         # TP collectives: within a node over NVLink, beyond it over the network.
         link = hw.nvlink_bw if tp <= hw.gpus_per_node else hw.net_bw
         ring = 2 * (tp - 1) / tp
@@ -143,6 +144,8 @@ class RooflineCostModel(CostModel):
                  + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
                  + (self._lin_elem + self._attn_elem + self._ar_row) * T
                  + self._lin_launch + self._attn_launch + self._ar_c)
+        if self._afix:
+            layer = layer + self._afix * ((pt > 0) + (ds > 0))
         rows = ps + ds
         cut = (self._graph_c + self._graph_seq * rows) if shape.graphed else 0.0
         return (self.num_layers * layer - cut
@@ -161,12 +164,23 @@ class RooflineCostModel(CostModel):
                 out[op] = (mx(self._pf * (shape.prefill_attn + self._tile * pt),
                               self._pkv * shape.prefill_kv + self._pqo * pt)
                            + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
-                           + self._attn_elem * T + self._attn_launch)
+                           + self._attn_elem * T + self._attn_launch
+                           + self._afix * ((pt > 0) + (ds > 0)))
             else:
                 a, w, b, e, c = self._lin[op]
                 out[op] = mx(a * T, w + b * T) + e * T + c
         out["allreduce"] = self._ar_row * T + self._ar_c
         return {k: _scalar(v) for k, v in out.items()}
+
+    def attention_kernel_times(self, shape: BatchShape) -> tuple[Seconds, Seconds]:
+        """(prefill, decode) attention kernel seconds in ONE layer, without RoPE, the KV-cache
+        write or launches: what Vidur's attn_prefill / attn_decode profile columns time."""
+        pt, ds, dc = shape.prefill_tokens, shape.decode_seqs, shape.decode_ctx
+        mx = _max_for(shape)
+        pre = (mx(self._pf * (shape.prefill_attn + self._tile * pt),
+                  self._pkv * shape.prefill_kv + self._pqo * pt) + self._afix * (pt > 0))
+        dec = mx(self._pf * dc, self._dkv * dc + self._dqo * ds) + self._afix * (ds > 0)
+        return _scalar(pre), _scalar(dec)
 
     def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
         T = shape.prefill_tokens + shape.decode_seqs

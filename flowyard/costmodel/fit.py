@@ -1,0 +1,143 @@
+"""Our prediction for every published point, the error table, and the fit of the assumed terms.
+
+`evaluate(calibration)` prices each `published.Point` with `make_cost_model(..., calibration=)`
+and returns the rows `flowyard validate` prints. `fit_published()` refits the terms the
+'vidur' calibration only assumes -- per-step and per-sequence CPU overhead, prefill and decode
+attention efficiency (eff_attn, attn_tile, eff_attn_mem) and a fixed time per attention kernel
+(attn_fixed_s) -- on the A100 points, minimising the mean |log(predicted/measured)| with each
+source group weighted alike, so 12 attention rows do not outvote 5 end-to-end steps. The GEMM,
+elementwise and all-reduce factors stay as `calibrate` fitted them on Vidur's operator
+profiles. Reproduce the 'published' constants in hardware.py with
+
+    python -m flowyard.costmodel.fit
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.calibrate import nelder_mead
+from flowyard.costmodel.hardware import A100_PARAMS, HardwareSpec, calibrated, get_hardware
+from flowyard.costmodel.published import Point, published_points
+from flowyard.costmodel.roofline import RooflineCostModel
+
+FIT_KEYS = ("step_overhead_s", "seq_overhead_s", "eff_attn", "attn_tile", "eff_attn_mem",
+            "attn_fixed_s")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the fidelity table."""
+
+    point: Point
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        """Signed relative error; for a range, the distance outside it (0 inside)."""
+        p = self.point
+        if p.is_range:
+            if p.measured <= self.predicted <= p.hi:
+                return 0.0
+            edge = p.measured if self.predicted < p.measured else p.hi
+            return (self.predicted - edge) / edge
+        return (self.predicted - p.measured) / p.measured
+
+
+def shape_of(point: Point) -> BatchShape:
+    decodes = [ctx for count, ctx in point.decodes for _ in range(count)]
+    return BatchShape.of(list(point.prefills), decodes)
+
+
+def ridge_tokens(cm: RooflineCostModel, limit: int = 8192) -> float:
+    """Fewest prefill tokens whose compute side reaches the memory side (PLA-Serve §2.1)."""
+    lo, hi = 1, limit
+    if _compute_bound(cm, hi) is False:
+        return float(limit)
+    while lo < hi:  # the compute share grows with the tokens: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _compute_bound(cm, mid) else (mid + 1, hi)
+    return float(lo)
+
+
+def _compute_bound(cm: RooflineCostModel, tokens: int) -> bool:
+    comp, mem = cm.compute_memory_split(BatchShape.of([(0, tokens)], []))
+    return comp >= mem
+
+
+def predict(point: Point, hw: HardwareSpec) -> float:
+    """Our number for `point` on `hw` (already calibrated), in the point's unit."""
+    cm = RooflineCostModel(point.model, hw, point.tp)
+    shape = shape_of(point)
+    if point.kind == "step":
+        return 1e3 * float(cm.step_time(shape))
+    if point.kind == "attn_prefill":
+        return 1e3 * float(cm.attention_kernel_times(shape)[0])
+    if point.kind == "attn_decode":
+        return 1e3 * float(cm.attention_kernel_times(shape)[1])
+    if point.kind == "cpu_overhead":
+        return 1e3 * float(cm.step_overhead(shape)["overhead"])
+    if point.kind == "ridge":
+        return ridge_tokens(cm)
+    raise ValueError(f"unknown point kind {point.kind!r}")
+
+
+def evaluate(calibration: str = "vidur", points: list[Point] | None = None) -> list[Row]:
+    """The fidelity table under one calibration."""
+    pts = published_points() if points is None else points
+    return [Row(p, predict(p, calibrated(get_hardware(p.hardware), calibration))) for p in pts]
+
+
+def summary(rows: list[Row]) -> dict[str, float]:
+    """Median and max absolute relative error, and how many points pass 10 % and 25 %."""
+    errs = np.abs([r.error for r in rows])
+    return {"points": len(rows), "median_abs_error": float(np.median(errs)),
+            "max_abs_error": float(errs.max()), "within_10pct": int((errs <= 0.10).sum()),
+            "within_25pct": int((errs <= 0.25).sum())}
+
+
+def group(point: Point) -> str:
+    """Source group a point is weighted in when fitting."""
+    return point.kind if point.kind != "step" else "end-to-end step"
+
+
+def _loss(rows_pred: list[tuple[Point, float]]) -> float:
+    by: dict[str, list[float]] = {}
+    for p, pred in rows_pred:
+        if p.is_range:
+            err = abs(Row(p, pred).error)
+            val = math.log1p(err)
+        else:
+            val = abs(math.log(max(pred, 1e-12) / p.measured))
+        by.setdefault(group(p), []).append(val)
+    return float(np.mean([np.mean(v) for v in by.values()]))
+
+
+def fit_published(iters: int = 600, base=A100_PARAMS) -> dict[str, float]:
+    """Fit FIT_KEYS on the A100 points (the only GPU with step-level data here)."""
+    pts = [p for p in published_points() if p.hardware.startswith("a100")]
+    hws = {p.hardware: get_hardware(p.hardware) for p in pts}
+    x0 = np.log([base.step_overhead_s, max(base.seq_overhead_s, 1e-6), base.eff_attn,
+                 base.attn_tile, base.eff_attn_mem, max(base.attn_fixed_s, 1e-6)])
+
+    def loss(x: np.ndarray) -> float:
+        params = replace(base, **dict(zip(FIT_KEYS, (float(v) for v in np.exp(x)))))
+        return _loss([(p, predict(p, replace(hws[p.hardware], params=params))) for p in pts])
+
+    x = nelder_mead(loss, x0, iters=iters)
+    return dict(zip(FIT_KEYS, (float(v) for v in np.exp(x))))
+
+
+def main() -> None:
+    fitted = fit_published()
+    print("fitted on the A100 points:", {k: f"{v:.4g}" for k, v in fitted.items()})
+    for cal in ("vidur", "published"):
+        print(cal, summary(evaluate(cal)))
+
+
+if __name__ == "__main__":
+    main()
