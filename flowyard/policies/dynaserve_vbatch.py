@@ -17,6 +17,11 @@ only takes the passes' free budget and adds its tokens to them, which makes them
   Passes already executed (end <= now) drop off as time goes on: the paper's reuse of the
   executed prefix.
 
+Storage: the columns live in one preallocated matrix (a row per column, a column per pass)
+and the derived prefix sums in preallocated buffers, so a commit updates slices in place
+instead of concatenating a dozen arrays; a probe reads them without allocating. A commit
+makes about 60 numpy calls on ~130 passes, so their count, not the passes, is its cost.
+
 Approximations (documented, measured in tests/test_dynaserve.py against the simulator): a
 segment's decode tokens do not take budget back from earlier prefills in the same pass, and an
 idle gap (a segment waiting for KV from its other instance) stays idle in the timeline.
@@ -26,13 +31,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
 
-_COLS = ("pt", "ps", "pa", "pk", "nd", "dc", "na", "dur", "end", "idle", "mdec", "mpf")
+# Rows of the pass matrix: prefill tokens, prefill slices, causal pairs, prefill KV reads, decode
+# count, decode context, active requests, duration, end time, decode and prefill marginals.
+_COLS = ("pt", "ps", "pa", "pk", "nd", "dc", "na", "dur", "end", "mdec", "mpf")
+PT, PS, PA, PK, ND, DC, NA, DUR, END, MDEC, MPF = range(len(_COLS))
 _PROBE_TOKENS = 64  # prefill tokens added to a pass to sample its per-token marginal cost
 
 
@@ -59,6 +68,22 @@ class Estimate:
     total_end: float
 
 
+class _Placement(NamedTuple):
+    """Where a segment lands (see `_place`): first pass j, last prefill pass kp and its
+    tokens x_last, first decode pass a and m decodes in the timeline, what is left for
+    the tail (rem_p, rem_d), how much longer the timeline gets (delta), and when it is ready."""
+
+    j: int
+    kp: int
+    x_last: float
+    a: int
+    m: int
+    rem_p: int
+    rem_d: int
+    delta: float
+    ready: float
+
+
 class VirtualBatch:
     def __init__(self, cost: CostModel, token_budget: int, max_seqs: int, chunk_cap: int) -> None:
         if token_budget < 1 or max_seqs < 1 or chunk_cap < 1:
@@ -66,6 +91,7 @@ class VirtualBatch:
         self.cost, self.budget, self.max_seqs = cost, token_budget, max_seqs
         self.cap = min(chunk_cap, token_budget)
         self._fit()
+        self._alloc(256)
         self.reset()
 
     # -- cost-model constants for the closed forms ---------------------------------------
@@ -104,168 +130,192 @@ class VirtualBatch:
         m = float(steps)
         return m * self.sd0 + self.q_dec * (m * ctx0 + m * (m - 1) / 2)
 
-    # -- the timeline ---------------------------------------------------------------------
+    # -- storage --------------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        """Buffers for `cap` passes: the pass matrix, the idle flags, and what `_derive` keeps
+        (start times, free budget, prefix sums C = (free, marginal prefill cost, decode
+        marginal) with C[:, i] summing passes < i, and the open masks)."""
+        self.M = np.zeros((len(_COLS), cap))
+        self.idle = np.zeros(cap, dtype=bool)
+        self.start, self.free = np.zeros(cap), np.zeros(cap)
+        self.C = np.zeros((3, cap + 1))
+        self.room, self.room_pf = np.zeros(cap, dtype=bool), np.zeros(cap, dtype=bool)
+
+    def _reserve(self, size: int) -> None:
+        """Room for `size` passes (doubling), keeping the passes and their derived values."""
+        cap = self.M.shape[1]
+        if size <= cap:
+            return
+        old, n, dn = self.__dict__.copy(), self.n, self._dn
+        self._alloc(max(size, 2 * cap))
+        self.M[:, :n], self.idle[:n] = old["M"][:, :n], old["idle"][:n]
+        for c in ("start", "free", "room", "room_pf"):
+            getattr(self, c)[:dn] = old[c][:dn]
+        self.C[:, :dn + 1] = old["C"][:, :dn + 1]
+
     def reset(self) -> None:
         """Forget every pass (the instance is idle)."""
-        for c in _COLS:
-            setattr(self, c, np.zeros(0, dtype=bool if c == "idle" else float))
-        self.free, self.start = np.zeros(0), np.zeros(0)
-        self.room = self.room_pf = np.zeros(0, dtype=bool)
+        self.n = self._dn = 0
         self._derive()
 
     @property
     def passes(self) -> int:
-        return len(self.end)
+        return self.n
+
+    @property
+    def end(self) -> np.ndarray:
+        """End time of each pass (a view)."""
+        return self.M[END, :self.n]
 
     def finish_time(self, now: float) -> float:
         """When the instance has finished all committed work (now if it already has)."""
-        return max(now, float(self.end[-1])) if len(self.end) else now
+        return max(now, float(self.M[END, self.n - 1])) if self.n else now
+
+    def _done(self, now: float) -> int:
+        """Passes executed by `now`."""
+        return int(self.M[END, :self.n].searchsorted(now, side="right"))
 
     def prefill_left(self, now: float) -> float:
         """Prompt tokens in passes not yet executed at `now`."""
-        k = int(np.searchsorted(self.end, now, side="right"))
-        return float(self.pt[k:].sum())
+        return float(self.M[PT, self._done(now):self.n].sum())
 
     def decoding_at(self, now: float) -> int:
-        k = int(np.searchsorted(self.end, now, side="right"))
-        return int(self.nd[k]) if k < len(self.nd) else 0
+        k = self._done(now)
+        return int(self.M[ND, k]) if k < self.n else 0
 
     def _derive(self, k: int = 0) -> None:
-        """Prefix sums and next-open indices that make a probe O(log n), recomputed from pass
-        k on (passes before k kept their times, free budget, marginals and open state)."""
-        n = len(self.end)
-        k = min(k, len(self.free), len(self.start), n)
-        m = n - k
-        idle = self.idle[k:]
-        self.start = np.concatenate((self.start[:k], self.end[k:] - self.dur[k:]))
-        free = self.budget - self.pt[k:] - self.nd[k:]
+        """Prefix sums and open masks that make a probe O(log n), recomputed from pass k on
+        (passes before k kept their times, free budget, marginals and open state)."""
+        n, M = self.n, self.M
+        k = min(k, self._dn, n)
+        self._dn = n
+        idle = self.idle[k:n]
+        np.subtract(M[END, k:n], M[DUR, k:n], out=self.start[k:n])
+        free = self.free[k:n]
+        np.subtract(self.budget, M[PT, k:n], out=free)
+        free -= M[ND, k:n]
         np.clip(free, 0.0, self.cap, out=free)
         free[idle] = 0.0
-        self.free = np.concatenate((self.free[:k], free))
-        block = np.empty((3, m))
-        block[0], block[2] = free, self.mdec[k:]
-        np.multiply(self.mpf[k:], free, out=block[1])
+        block = self.C[:, k + 1:n + 1]
+        block[0], block[2] = free, M[MDEC, k:n]
+        np.multiply(M[MPF, k:n], free, out=block[1])
         np.cumsum(block, axis=1, out=block)
-        C = np.empty((3, n + 1))
         if k:
-            C[:, :k + 1] = self.C[:, :k + 1]
             block += self.C[:, k:k + 1]
-        else:
-            C[:, 0] = 0.0
-        C[:, k + 1:] = block
-        self.C = C
-        self.Cfree, self.Cmpf, self.Cmdec = C
         # passes a decode-only segment may join / a prompt may start in
-        room = ~idle & (self.na[k:] < self.max_seqs)
-        self.room = np.concatenate((self.room[:k], room))
-        self.room_pf = np.concatenate((self.room_pf[:k], room & (free > 0)))
-
-    @staticmethod
-    def _first(mask: np.ndarray, j0: int) -> int:
-        """First index >= j0 where mask holds (len(mask) if none)."""
-        rest = mask[j0:]
-        i = int(rest.argmax()) if len(rest) else 0
-        return j0 + i if len(rest) and rest[i] else len(mask)
+        room, room_pf = self.room[k:n], self.room_pf[k:n]
+        np.less(M[NA, k:n], self.max_seqs, out=room)
+        room &= ~idle
+        np.greater(free, 0.0, out=room_pf)
+        room_pf &= room
 
     def _price(self, sl: slice, marginals: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(duration, decode marginal, prefill per-token marginal) of the passes in `sl`, in
         one vectorised cost-model call over the passes and their two perturbed copies; without
         `marginals` the old ones are kept (one more token barely moves them)."""
-        pt, ps, pa, pk, nd, dc = (getattr(self, c)[sl] for c in ("pt", "ps", "pa", "pk", "nd", "dc"))
-        n, idle = len(pt), self.idle[sl]
+        M, idle = self.M, self.idle[sl]
+        cols = M[PT:DC + 1, sl]  # pt, ps, pa, pk, nd, dc: BatchShape's field order
+        n = cols.shape[1]
         if not n:
             return np.zeros(0), np.zeros(0), np.zeros(0)
         if not marginals:
-            t = self.cost.step_time(BatchShape(pt, ps, pa, pk, nd, dc))
-            return np.where(idle, self.dur[sl], t), self.mdec[sl], self.mpf[sl]
+            t = self.cost.step_time(BatchShape(*cols))
+            return np.where(idle, M[DUR, sl], t), M[MDEC, sl], M[MPF, sl]
         g = float(_PROBE_TOKENS)
-        zero = np.zeros(n)
-        one, add = zero + 1, zero + g
-        shape = BatchShape(
-            prefill_tokens=np.concatenate((pt, pt, pt + add)), prefill_seqs=np.tile(ps, 3),
-            prefill_attn=np.tile(pa, 3), prefill_kv=np.concatenate((pk, pk, pk + add)),
-            decode_seqs=np.concatenate((nd, nd + one, nd)), decode_ctx=np.concatenate((dc, dc + one, dc)))
-        t = np.broadcast_to(np.asarray(self.cost.step_time(shape), float), (3 * n,)).reshape(3, n)
-        dur = np.where(idle, self.dur[sl], t[0])
+        x = np.tile(cols, 3)  # the passes, one more decode in each, g more prefill tokens in each
+        x[PT, 2 * n:] += g
+        x[PK, 2 * n:] += g
+        x[ND:DC + 1, n:2 * n] += 1.0
+        t = np.broadcast_to(np.asarray(self.cost.step_time(BatchShape(*x)), float), (3 * n,)).reshape(3, n)
+        dur = np.where(idle, M[DUR, sl], t[0])
         return dur, np.where(idle, 0.0, t[1] - t[0]), np.where(idle, 0.0, (t[2] - t[0]) / g)
 
     def seed_decodes(self, remaining: np.ndarray, ctx: float, now: float) -> None:
         """Cold start on an empty timeline: requests already decoding at mean context ctx, with
         these remaining decode passes each; they run together and drop out as they finish."""
-        assert not len(self.end), "seed_decodes needs an empty timeline"
+        assert not self.n, "seed_decodes needs an empty timeline"
         rem = np.sort(np.asarray(remaining, dtype=float))
         steps = int(rem[-1]) if len(rem) else 0
         if steps <= 0:
             return
         t = np.arange(steps, dtype=float)
         nd = len(rem) - np.searchsorted(rem, t, side="right").astype(float)
-        zero = np.zeros(steps)
-        cols = dict(pt=zero, ps=zero, pa=zero, pk=zero, nd=nd, dc=nd * (ctx + t), na=nd,
-                    dur=zero, end=zero, idle=np.zeros(steps, dtype=bool), mdec=zero, mpf=zero)
-        for c in _COLS:
-            setattr(self, c, cols[c].copy())
+        self._reserve(steps)
+        block = self.M[:, :steps]
+        block[:] = 0.0
+        block[ND], block[DC], block[NA] = nd, nd * (ctx + t), nd
+        self.idle[:steps] = False
+        self.n, self._dn = steps, 0
         sl = slice(0, steps)
-        self.dur[sl], self.mdec[sl], self.mpf[sl] = self._price(sl)
-        self.end = now + np.cumsum(self.dur)
+        block[DUR], block[MDEC], block[MPF] = self._price(sl)
+        block[END] = now + np.cumsum(block[DUR])
         self._derive()
 
     def _compact(self, now: float) -> None:
-        k = int(np.searchsorted(self.end, now, side="right"))
-        if k and (k >= 256 or 2 * k >= len(self.end)):
-            for c in _COLS:
-                setattr(self, c, getattr(self, c)[k:])
+        k = self._done(now)
+        if k and (k >= 256 or 2 * k >= self.n):
+            n = self.n
+            self.M[:, :n - k] = self.M[:, k:n]
+            self.idle[:n - k] = self.idle[k:n]
+            self.n, self._dn = n - k, 0
             self._derive()
 
     # -- probe and commit -----------------------------------------------------------------
-    def _place(self, seg: Segment, now: float) -> dict:
+    def _first(self, mask: np.ndarray, j0: int) -> int:
+        """First index >= j0 where mask holds (n if none)."""
+        rest = mask[j0:self.n]
+        i = int(rest.argmax()) if len(rest) else 0
+        return j0 + i if len(rest) and rest[i] else self.n
+
+    def _place(self, seg: Segment, now: float) -> _Placement:
         """Where `seg` would run if appended FCFS-last now; shared by probe and commit."""
-        n = len(self.end)
+        n = self.n
         ready = max(seg.ready, now)
-        j0 = int(np.searchsorted(self.start, ready, side="left"))
+        j0 = int(self.start[:n].searchsorted(ready, side="left"))
         p, d, h = seg.prefill, seg.decode, seg.history
         j = self._first(self.room_pf if p > 0 else self.room, j0) if j0 < n else n
-        out = dict(j=j, kp=-1, x_last=0.0, a=j, m=0, rem_p=p, rem_d=d, delta=0.0, ready=ready)
         if j >= n:
-            return out
-        delta = 0.0
+            return _Placement(j, -1, 0.0, j, 0, p, d, 0.0, ready)
+        cfree, cmpf = self.C[0], self.C[1]
+        kp, x_last, a, rem_p, delta = -1, 0.0, j, p, 0.0
         if p > 0:
-            avail = self.Cfree[n] - self.Cfree[j]
+            avail = cfree[n] - cfree[j]
             placed = min(float(p), avail)
             if avail >= p:
-                kp = int(np.searchsorted(self.Cfree, self.Cfree[j] + p, side="left")) - 1
-                x_last = p - (self.Cfree[kp] - self.Cfree[j])
-                delta += self.Cmpf[kp] - self.Cmpf[j] + self.mpf[kp] * x_last
-                out.update(kp=kp, x_last=x_last, rem_p=0, a=kp + 1)
+                kp = int(cfree[:n + 1].searchsorted(cfree[j] + p, side="left")) - 1
+                x_last = p - (cfree[kp] - cfree[j])
+                delta += cmpf[kp] - cmpf[j] + self.M[MPF, kp] * x_last
+                rem_p, a = 0, kp + 1
             else:
                 kp = n - 1
-                delta += self.Cmpf[n] - self.Cmpf[j]
-                out.update(kp=kp, x_last=float(self.free[kp]), rem_p=int(p - avail), a=n)
+                delta += cmpf[n] - cmpf[j]
+                x_last, rem_p, a = float(self.free[kp]), int(p - avail), n
             delta += self.q_attn * (placed * h + placed * placed / 2 + placed / 2)
-        if out["rem_p"] == 0:
-            a = out["a"]
+        m, rem_d = 0, d
+        if rem_p == 0:
             m = max(0, min(d, n - a))
             if m:
                 c0 = h + p + 1
-                delta += self.Cmdec[a + m] - self.Cmdec[a] + self.q_dec * (m * (c0 - 1) + m * (m - 1) / 2)
-            out.update(m=m, rem_d=d - m)
-        out["delta"] = float(delta)
-        return out
+                cmdec = self.C[2]
+                delta += cmdec[a + m] - cmdec[a] + self.q_dec * (m * (c0 - 1) + m * (m - 1) / 2)
+            rem_d = d - m
+        return _Placement(j, kp, x_last, a, m, rem_p, rem_d, float(delta), ready)
 
-    def _estimate(self, seg: Segment, pl: dict, now: float) -> Estimate:
-        n = len(self.end)
-        if pl["j"] >= n:  # after everything: the segment runs alone from when it is ready
-            t0 = max(pl["ready"], float(self.end[-1]) if n else now)
+    def _estimate(self, seg: Segment, pl: _Placement, now: float) -> Estimate:
+        n = self.n
+        if pl.j >= n:  # after everything: the segment runs alone from when it is ready
+            t0 = max(pl.ready, float(self.M[END, n - 1]) if n else now)
             t = t0 + self.solo_prefill(seg.prefill, seg.history) + self.solo_decode(seg.decode, seg.history + seg.prefill + 1)
             return Estimate(t, t)
-        last_end = float(self.end[-1]) + pl["delta"]
-        rem_p, rem_d = pl["rem_p"], pl["rem_d"]
+        last_end = float(self.M[END, n - 1]) + pl.delta
+        rem_p, rem_d = pl.rem_p, pl.rem_d
         if rem_p or rem_d:
             done = seg.prefill - rem_p
             tail = (self.solo_prefill(rem_p, seg.history + done)
                     + self.solo_decode(rem_d, seg.history + seg.prefill + 1 + (seg.decode - rem_d)))
             return Estimate(last_end + tail, last_end + tail)
-        k = pl["a"] + pl["m"] - 1 if pl["m"] else pl["kp"]
-        return Estimate(float(self.end[k]) + pl["delta"], last_end)
+        k = pl.a + pl.m - 1 if pl.m else pl.kp
+        return Estimate(float(self.M[END, k]) + pl.delta, last_end)
 
     def probe(self, seg: Segment, now: float) -> Estimate:
         return self._estimate(seg, self._place(seg, now), now)
@@ -275,69 +325,78 @@ class VirtualBatch:
         self._compact(now)
         pl = self._place(seg, now)
         if seg.prefill <= 0 and seg.decode <= 0:
-            return Estimate(pl["ready"], self.finish_time(now))
+            return Estimate(pl.ready, self.finish_time(now))
         est = self._estimate(seg, pl, now)
-        n, j = len(self.end), pl["j"]
+        n, j, M = self.n, pl.j, self.M
         h = seg.history
         last = j - 1
         if j < n:
             if seg.prefill > 0:
-                kp = pl["kp"]
+                kp = pl.kp
                 x = self.free[j:kp + 1].copy()
-                x[-1] = pl["x_last"]
+                x[-1] = pl.x_last
                 hk = h + np.cumsum(x) - x
-                self.pt[j:kp + 1] += x
-                self.ps[j:kp + 1] += x > 0
-                self.pa[j:kp + 1] += x * (hk + (x + 1) / 2)
-                self.pk[j:kp + 1] += np.where(x > 0, hk + x, 0.0)
+                pos = x > 0
+                M[PT, j:kp + 1] += x
+                M[PS, j:kp + 1] += pos
+                M[PA, j:kp + 1] += x * (hk + (x + 1) / 2)
+                M[PK, j:kp + 1] += np.where(pos, hk + x, 0.0)
                 last = kp
-            a, m = pl["a"], pl["m"]
+            a, m = pl.a, pl.m
             if m:
                 c0 = h + seg.prefill + 1
-                self.nd[a:a + m] += 1
-                self.dc[a:a + m] += c0 + np.arange(m)
+                M[ND, a:a + m] += 1
+                M[DC, a:a + m] += c0 + np.arange(m)
                 last = a + m - 1
             last = max(last, j)
-            self.na[j:last + 1] += 1
+            M[NA, j:last + 1] += 1
             sl = slice(j, last + 1)
-            old = self.dur[sl].copy()
-            self.dur[sl] = self._price(sl, marginals=False)[0]
-            shift = np.cumsum(self.dur[sl] - old)
-            self.end[sl] += shift
-            self.end[last + 1:] += shift[-1]
-        self._append_tail(seg, pl, now)
+            dur = M[DUR, sl]
+            old = dur.copy()
+            dur[:] = self._price(sl, marginals=False)[0]
+            shift = np.cumsum(dur - old)
+            M[END, sl] += shift
+            M[END, last + 1:n] += shift[-1]
+        self._append_tail(seg, pl)
         self._derive(min(j, n))
         return est
 
-    def _append_tail(self, seg: Segment, pl: dict, now: float) -> None:
+    def _append_tail(self, seg: Segment, pl: _Placement) -> None:
         """Passes the segment runs after the current timeline ends (alone, one after another),
         after an idle gap if it is ready only later."""
-        n = len(self.end)
-        if pl["j"] >= n:
+        n = self.n
+        if pl.j >= n:
             rem_p, rem_d, hist = seg.prefill, seg.decode, seg.history
         else:
-            rem_p, rem_d = pl["rem_p"], pl["rem_d"]
+            rem_p, rem_d = pl.rem_p, pl.rem_d
             hist = seg.history + seg.prefill - rem_p
         if not rem_p and not rem_d:
             return
-        t0 = float(self.end[-1]) if n else pl["ready"]
+        t0 = float(self.M[END, n - 1]) if n else pl.ready
         rows: list[tuple] = []  # in _COLS order
-        if pl["ready"] > t0:  # waits for its KV: an idle gap
-            rows.append((0, 0, 0, 0, 0, 0, 0, pl["ready"] - t0, 0, True, 0, 0))
+        gap = pl.ready > t0
+        if gap:  # waits for its KV: an idle gap
+            rows.append((0, 0, 0, 0, 0, 0, 0, pl.ready - t0, 0, 0, 0))
         while rem_p > 0:
             x = min(self.cap, rem_p)
-            rows.append((x, 1, x * (hist + (x + 1) / 2), hist + x, 0, 0, 1, 0, 0, False, 0, 0))
+            rows.append((x, 1, x * (hist + (x + 1) / 2), hist + x, 0, 0, 1, 0, 0, 0, 0))
             hist, rem_p = hist + x, rem_p - x
         c0 = seg.history + seg.prefill + 1 + (seg.decode - rem_d)
-        head = list(zip(*rows)) if rows else [()] * len(_COLS)
-        dec = {"nd": np.ones(rem_d), "na": np.ones(rem_d), "dc": c0 + np.arange(rem_d, dtype=float)}
-        for c, col in zip(_COLS, head):
-            dtype = bool if c == "idle" else float
-            tail = dec.get(c, np.zeros(rem_d, dtype=dtype))
-            setattr(self, c, np.concatenate((getattr(self, c), np.asarray(col, dtype=dtype), tail)))
-        head_sl, dec_sl = slice(n, n + len(rows)), slice(n + len(rows), len(self.pt))
-        self.dur[head_sl], self.mdec[head_sl], self.mpf[head_sl] = self._price(head_sl)
-        self.dur[dec_sl] = self.sd0 + self.q_dec * self.dc[dec_sl]  # lone decodes: closed form
-        self.mdec[dec_sl], self.mpf[dec_sl] = self.md_solo, self.mp_solo
-        sl = slice(n, len(self.pt))
-        self.end[sl] = t0 + np.cumsum(self.dur[sl])
+        r = len(rows)
+        end = n + r + rem_d
+        self._reserve(end)
+        M = self.M
+        self.idle[n:end] = False
+        self.idle[n] = gap
+        if r:
+            M[:, n:n + r] = np.array(rows, dtype=float).T
+        dec = M[:, n + r:end]  # lone decodes, priced in closed form
+        dec[:] = 0.0
+        dec[ND], dec[NA], dec[DC] = 1.0, 1.0, c0 + np.arange(rem_d, dtype=float)
+        dec[DUR] = self.sd0 + self.q_dec * dec[DC]
+        dec[MDEC], dec[MPF] = self.md_solo, self.mp_solo
+        self.n = end
+        if r:
+            head = slice(n, n + r)
+            M[DUR, head], M[MDEC, head], M[MPF, head] = self._price(head)
+        M[END, n:end] = t0 + np.cumsum(M[DUR, n:end])
