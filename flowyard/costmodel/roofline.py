@@ -94,6 +94,8 @@ class RooflineCostModel(CostModel):
         dbw = hw.mem_bw * p.eff_attn_mem
         self._dkv, self._dqo = kv_b / dbw, qo_b / dbw
         self._afix = p.attn_fixed_s  # per attention kernel that runs (0 under 'vidur')
+        # step_time's linear ops as (4, 1) columns
+        self._a4, self._w4, self._b4 = (np.array(v)[:, None] for v in (self._a, self._w, self._b))
         # TP collectives: within a node over NVLink, beyond it over the network.
         link = hw.nvlink_bw if tp <= hw.gpus_per_node else hw.net_bw
         ring = 2 * (tp - 1) / tp
@@ -113,6 +115,8 @@ class RooflineCostModel(CostModel):
         self._lm_norm = 2 * h * b / elem
         self._lm_c = p.gemm_fixed_s + p.launch_s + self._ar_c / 2
         self._ovh_c, self._ovh_seq = p.step_overhead_s, p.seq_overhead_s
+        self._rows_c = self._lm_gather + self._ovh_seq
+        self._row_c = self._lin_elem + self._attn_elem + self._ar_row
         # What a graph replay saves: per-kernel launches of every layer and the CPU step time.
         elem_launch = self._lin_launch - len(self._lin) * p.gemm_fixed_s + self._attn_launch
         self._graph_c = p.graph_saving * (m.layers * elem_launch + self._ovh_c)
@@ -129,29 +133,52 @@ class RooflineCostModel(CostModel):
 
     # -- the hot path -----------------------------------------------------------------------
     def step_time(self, shape: BatchShape) -> Seconds:
-        """Whole-step seconds; element-wise when any field is a numpy array."""
+        """Whole-step seconds; element-wise when any field is a numpy array.
+
+        Each term is the same float expression summed in the same order as `layer_op_times`
+        and `step_overhead` would give; only how it is evaluated depends on the fields' types
+        (the simulator calls this ~3e5 times a run, DynaServe's predictor on arrays of a few
+        hundred passes): terms whose inputs are scalars use Python floats, the four linear
+        ops share one (4, n) numpy evaluation when the token count is an array, and sums
+        accumulate in place."""
         pt, ps = shape.prefill_tokens, shape.prefill_seqs
         ds, dc = shape.decode_seqs, shape.decode_ctx
         pa, pk = shape.prefill_attn, shape.prefill_kv
         T = pt + ds
-        mx = _max_for(shape)
-        if mx is max and T == 0:
-            return 0.0  # nothing to run (layer_op_times still prices the weight stream)
-        a, w, bb = self._a, self._w, self._b
-        layer = (mx(a[0] * T, w[0] + bb[0] * T) + mx(a[1] * T, w[1] + bb[1] * T)
-                 + mx(a[2] * T, w[2] + bb[2] * T) + mx(a[3] * T, w[3] + bb[3] * T)
-                 + mx(self._pf * (pa + self._tile * pt), self._pkv * pk + self._pqo * pt)
-                 + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
-                 + (self._lin_elem + self._attn_elem + self._ar_row) * T
-                 + self._lin_launch + self._attn_launch + self._ar_c)
+        if type(T) is np.ndarray:
+            x = self._a4 * T
+            y = self._b4 * T
+            y += self._w4
+            np.maximum(x, y, out=x)
+            layer = x[0] + x[1]
+            layer += x[2]
+            layer += x[3]
+        else:
+            if T == 0 and _max_for(shape) is max:
+                return 0.0  # nothing to run (layer_op_times still prices the weight stream)
+            a, w, bb = self._a, self._w, self._b
+            layer = (_max(a[0] * T, w[0] + bb[0] * T) + _max(a[1] * T, w[1] + bb[1] * T)
+                     + _max(a[2] * T, w[2] + bb[2] * T) + _max(a[3] * T, w[3] + bb[3] * T))
+        layer = layer + _mx(self._pf * (pa + self._tile * pt), self._pkv * pk + self._pqo * pt)
+        layer += _mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
+        layer += self._row_c * T
+        layer += self._lin_launch
+        layer += self._attn_launch
+        layer += self._ar_c
         if self._afix:
-            layer = layer + self._afix * ((pt > 0) + (ds > 0))
+            layer += self._afix * ((pt > 0) + (ds > 0))
         rows = ps + ds
-        cut = (self._graph_c + self._graph_seq * rows) if shape.graphed else 0.0
-        return (self.num_layers * layer - cut
-                + self._emb_row * T + self._emb_c
-                + mx(self._lm_a * rows, self._lm_w + self._lm_b * rows) + self._lm_norm * T
-                + self._lm_c + (self._lm_gather + self._ovh_seq) * rows + self._ovh_c)
+        out = self.num_layers * layer
+        if shape.graphed:  # x - 0.0 == x: without a graph nothing is subtracted
+            out = out - (self._graph_c + self._graph_seq * rows)
+        out += self._emb_row * T
+        out += self._emb_c
+        out += _mx(self._lm_a * rows, self._lm_w + self._lm_b * rows)
+        out += self._lm_norm * T
+        out += self._lm_c
+        out += self._rows_c * rows
+        out += self._ovh_c
+        return out
 
     # -- per operator (FlowPrefill's preemption points, profiling, reports) -----------------
     def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
@@ -241,6 +268,19 @@ def _max_for(shape: BatchShape):
         if type(v) is np.ndarray:
             return np.maximum
     return max
+
+
+def _max(x: float, y: float) -> float:
+    """max(x, y) for two floats without the builtin's call overhead (same result: max keeps
+    its first argument unless the second is larger)."""
+    return y if y > x else x
+
+
+def _mx(x: Seconds, y: Seconds) -> Seconds:
+    """Element-wise max when either side is an array, else the float max."""
+    if type(x) is np.ndarray or type(y) is np.ndarray:
+        return np.maximum(x, y)
+    return y if y > x else x
 
 
 def _scalar(v: Seconds) -> Seconds:
