@@ -135,12 +135,12 @@ class RooflineCostModel(CostModel):
     def step_time(self, shape: BatchShape) -> Seconds:
         """Whole-step seconds; element-wise when any field is a numpy array.
 
-        Each term is the same float expression summed in the same order as `layer_op_times`
-        and `step_overhead` would give; only how it is evaluated depends on the fields' types
-        (the simulator calls this ~3e5 times a run, DynaServe's predictor on arrays of a few
-        hundred passes): terms whose inputs are scalars use Python floats, the four linear
-        ops share one (4, n) numpy evaluation when the token count is an array, and sums
-        accumulate in place."""
+        Every term is the same float expression, summed in the same order, as before this was
+        sped up (tests/test_roofline_step_time.py keeps that form); only how it is evaluated
+        depends on the fields' types (the simulator calls this ~3e5 times a run, DynaServe's
+        predictor on arrays of a few hundred passes): terms whose inputs are scalars use
+        Python floats, the four linear ops share one (4, n) numpy evaluation when the token
+        count is an array, and sums accumulate in place."""
         pt, ps = shape.prefill_tokens, shape.prefill_seqs
         ds, dc = shape.decode_seqs, shape.decode_ctx
         pa, pk = shape.prefill_attn, shape.prefill_kv
