@@ -26,7 +26,7 @@ from flowyard.costmodel.published import Point, published_points
 from flowyard.costmodel.roofline import RooflineCostModel
 
 FIT_KEYS = ("step_overhead_s", "seq_overhead_s", "eff_attn", "attn_tile", "eff_attn_mem",
-            "attn_fixed_s")
+            "attn_fixed_s", "attn_causal_extra")
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,21 @@ def _loss(rows_pred: list[tuple[Point, float]]) -> float:
     return float(np.mean([np.mean(v) for v in by.values()]))
 
 
-def fit_published(iters: int = 600, base=A100_PARAMS) -> dict[str, float]:
-    """Fit FIT_KEYS on the A100 points (the only GPU with step-level data here)."""
+def fit_published(iters: int = 3000, base=A100_PARAMS, restarts: int = 2) -> dict[str, float]:
+    """Fit FIT_KEYS on the A100 points (the only GPU with step-level data here): Nelder-Mead
+    from `base`, restarted from its own result (the simplex collapses on the flat directions)."""
+    fitted: dict[str, float] = {}
+    for _ in range(restarts):
+        fitted = _fit_once(iters, replace(base, **fitted))
+    return fitted
+
+
+def _fit_once(iters: int, base) -> dict[str, float]:
     pts = [p for p in published_points() if p.hardware.startswith("a100")]
     hws = {p.hardware: get_hardware(p.hardware) for p in pts}
     x0 = np.log([base.step_overhead_s, max(base.seq_overhead_s, 1e-6), base.eff_attn,
-                 base.attn_tile, base.eff_attn_mem, max(base.attn_fixed_s, 1e-6)])
+                 base.attn_tile, base.eff_attn_mem, max(base.attn_fixed_s, 1e-6),
+                 max(base.attn_causal_extra, 0.1)])
 
     def loss(x: np.ndarray) -> float:
         params = replace(base, **dict(zip(FIT_KEYS, (float(v) for v in np.exp(x)))))

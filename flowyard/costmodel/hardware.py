@@ -33,6 +33,7 @@ class RooflineParams:
     step_overhead_s, seq_overhead_s   per-step and per-sequence CPU time not hidden by the GPU
     graph_saving  share of launch and per-step CPU time a graph replay removes
     attn_fixed_s  fixed time of each attention kernel that runs (prefill and decode)
+    attn_causal_extra  extra cost per pair of a new token's causal block (vs a cached pair)
     """
 
     eff_compute: float
@@ -54,6 +55,10 @@ class RooflineParams:
     # Vidur's A100 profile shows a ~30 us floor for short prefills. 0 under the 'vidur'
     # calibration; fitted under 'published' (flowyard.costmodel.fit).
     attn_fixed_s: float = 0.0
+    # Extra cost per pair of the new tokens' own causal block, over a cached-prefix pair
+    # (Vidur's A100 prefill rows: a chunk over no cache costs ~3x per pair what the same chunk
+    # costs per extra cached token). 0 under 'vidur'.
+    attn_causal_extra: float = 0.0
 
 
 # Fitted by `python -m flowyard.costmodel.calibrate` on the Vidur a100 (Meta-Llama-3-8B,
@@ -151,8 +156,11 @@ HARDWARE_NAMES: tuple[str, ...] = tuple(HARDWARE)
 # Only A100 has step-level points, so H100/H200 take the fitted host-side terms
 # (step_overhead_s, seq_overhead_s) and attn_fixed_s, and keep their own attention
 # efficiencies (FlashAttention-3 paper) -- an assumption the table cannot check.
-_FITTED_A100 = dict(step_overhead_s=300e-6, seq_overhead_s=5e-6, eff_attn=0.6, attn_tile=128.0,
-                    eff_attn_mem=0.7, attn_fixed_s=0.0)
+# Fitted values (python -m flowyard.costmodel.fit); the vidur values were 300e-6, 5e-6, 0.6,
+# 128, 0.7, 0, 0.
+_FITTED_A100 = dict(step_overhead_s=1.502e-3, seq_overhead_s=9.609e-05, eff_attn=0.427,
+                    attn_tile=278.2, eff_attn_mem=0.7855, attn_fixed_s=1.623e-05,
+                    attn_causal_extra=1.105)
 _HOST_TERMS = ("step_overhead_s", "seq_overhead_s", "attn_fixed_s")
 PUBLISHED_PARAMS: dict[RooflineParams, RooflineParams] = {
     A100_PARAMS: replace(A100_PARAMS, **_FITTED_A100),

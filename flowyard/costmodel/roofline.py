@@ -94,6 +94,7 @@ class RooflineCostModel(CostModel):
         dbw = hw.mem_bw * p.eff_attn_mem
         self._dkv, self._dqo = kv_b / dbw, qo_b / dbw
         self._afix = p.attn_fixed_s  # per attention kernel that runs (0 under 'vidur')
+        self._causal = p.attn_causal_extra  # extra cost per pair of a new token's causal block
         # step_time's linear ops as (4, 1) columns
         self._a4, self._w4, self._b4 = (np.array(v)[:, None] for v in (self._a, self._w, self._b))
         # TP collectives: within a node over NVLink, beyond it over the network.
@@ -159,6 +160,8 @@ class RooflineCostModel(CostModel):
             a, w, bb = self._a, self._w, self._b
             layer = (_max(a[0] * T, w[0] + bb[0] * T) + _max(a[1] * T, w[1] + bb[1] * T)
                      + _max(a[2] * T, w[2] + bb[2] * T) + _max(a[3] * T, w[3] + bb[3] * T))
+        if self._causal:
+            pa = self._pairs(shape)
         layer = layer + _mx(self._pf * (pa + self._tile * pt), self._pkv * pk + self._pqo * pt)
         layer += _mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
         layer += self._row_c * T
@@ -188,7 +191,7 @@ class RooflineCostModel(CostModel):
         out: dict[str, Seconds] = {}
         for op in ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj"):
             if op == "attn":
-                out[op] = (mx(self._pf * (shape.prefill_attn + self._tile * pt),
+                out[op] = (mx(self._pf * (self._pairs(shape) + self._tile * pt),
                               self._pkv * shape.prefill_kv + self._pqo * pt)
                            + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
                            + self._attn_elem * T + self._attn_launch
@@ -199,12 +202,21 @@ class RooflineCostModel(CostModel):
         out["allreduce"] = self._ar_row * T + self._ar_c
         return {k: _scalar(v) for k, v in out.items()}
 
+    def _pairs(self, shape: BatchShape) -> Seconds:
+        """Causal pairs priced by prefill attention: the new tokens' own causal block costs
+        (1 + attn_causal_extra) per pair, as if every slice had the mean length pt/ps (exact for
+        one slice; BatchShape keeps no per-slice lengths)."""
+        pa, pt = shape.prefill_attn, shape.prefill_tokens
+        if not self._causal:
+            return pa
+        return pa + self._causal * pt * pt / (2 * _mx(shape.prefill_seqs, 1))
+
     def attention_kernel_times(self, shape: BatchShape) -> tuple[Seconds, Seconds]:
         """(prefill, decode) attention kernel seconds in ONE layer, without RoPE, the KV-cache
         write or launches: what Vidur's attn_prefill / attn_decode profile columns time."""
         pt, ds, dc = shape.prefill_tokens, shape.decode_seqs, shape.decode_ctx
         mx = _max_for(shape)
-        pre = (mx(self._pf * (shape.prefill_attn + self._tile * pt),
+        pre = (mx(self._pf * (self._pairs(shape) + self._tile * pt),
                   self._pkv * shape.prefill_kv + self._pqo * pt) + self._afix * (pt > 0))
         dec = mx(self._pf * dc, self._dkv * dc + self._dqo * ds) + self._afix * (ds > 0)
         return _scalar(pre), _scalar(dec)
@@ -236,7 +248,7 @@ class RooflineCostModel(CostModel):
         ds, dc = shape.decode_seqs, shape.decode_ctx
         T, rows = pt + ds, ps + ds
         L = self.num_layers
-        comp = (L * (sum(self._a) * T + self._pf * (shape.prefill_attn + self._tile * pt)
+        comp = (L * (sum(self._a) * T + self._pf * (self._pairs(shape) + self._tile * pt)
                      + self._pf * dc) + self._lm_a * rows)
         emb_row = self._emb_row - self._ar_row / 2  # the gather alone, without its all-reduce
         mem = (L * (sum(self._w) + (sum(self._b) + self._lin_elem + self._attn_elem) * T
