@@ -280,12 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
     r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
+    from flowyard.costmodel.cli_validate import add_validate_parser
     from flowyard.engine.cli_profile import add_profile_parser
     from flowyard.server.cli_serve import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_profile_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 
