@@ -54,6 +54,8 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="closed loop: a client waits S s after each response (needs --concurrency)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--calibration", default="vidur", choices=("vidur", "published"),
+                   help="roofline factors: 'vidur' (default) or 'published' (see `flowyard validate`)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -69,7 +71,7 @@ def _config(args: argparse.Namespace, policy: str):
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
-        concurrency=args.concurrency, think_time=args.think_time,
+        concurrency=args.concurrency, think_time=args.think_time, calibration=args.calibration,
     )
 
 

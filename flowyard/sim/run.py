@@ -69,6 +69,7 @@ class SimConfig:
     # think_time seconds after its previous one ends; trace arrival times are then ignored.
     concurrency: int | None = None
     think_time: float = 0.0
+    calibration: str = "vidur"  # roofline factor set (costmodel.CALIBRATIONS); see `flowyard validate`
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -122,7 +123,7 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
         from flowyard.costmodel.profiled import ProfiledCostModel
 
         return ProfiledCostModel(cfg.profile)
-    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp)
+    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp, calibration=cfg.calibration)
 
 
 def build_topology(cfg: SimConfig) -> Topology:
