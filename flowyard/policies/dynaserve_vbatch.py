@@ -155,7 +155,7 @@ class VirtualBatch:
 
     def reset(self) -> None:
         """Forget every pass (the instance is idle)."""
-        self.n = self._dn = 0
+        self.n = self._dn = self._idle_end = 0
         self._derive()
 
     @property
@@ -189,23 +189,26 @@ class VirtualBatch:
         n, M = self.n, self.M
         k = min(k, self._dn, n)
         self._dn = n
-        idle = self.idle[k:n]
+        idle = self.idle[k:n] if self._idle_end > k else None  # None: no idle pass from k on
         np.subtract(M[END, k:n], M[DUR, k:n], out=self.start[k:n])
         free = self.free[k:n]
         np.subtract(self.budget, M[PT, k:n], out=free)
         free -= M[ND, k:n]
-        np.clip(free, 0.0, self.cap, out=free)
-        free[idle] = 0.0
+        np.maximum(free, 0.0, out=free)  # np.clip(free, 0, cap) without its dispatch cost
+        np.minimum(free, self.cap, out=free)
+        if idle is not None:
+            free[idle] = 0.0
         block = self.C[:, k + 1:n + 1]
         block[0], block[2] = free, M[MDEC, k:n]
         np.multiply(M[MPF, k:n], free, out=block[1])
-        np.cumsum(block, axis=1, out=block)
+        block.cumsum(axis=1, out=block)
         if k:
             block += self.C[:, k:k + 1]
         # passes a decode-only segment may join / a prompt may start in
         room, room_pf = self.room[k:n], self.room_pf[k:n]
         np.less(M[NA, k:n], self.max_seqs, out=room)
-        room &= ~idle
+        if idle is not None:
+            room &= ~idle
         np.greater(free, 0.0, out=room_pf)
         room_pf &= room
 
@@ -213,20 +216,23 @@ class VirtualBatch:
         """(duration, decode marginal, prefill per-token marginal) of the passes in `sl`, in
         one vectorised cost-model call over the passes and their two perturbed copies; without
         `marginals` the old ones are kept (one more token barely moves them)."""
-        M, idle = self.M, self.idle[sl]
+        M = self.M
+        idle = self.idle[sl] if self._idle_end > sl.start else None  # None: no idle pass here
         cols = M[PT:DC + 1, sl]  # pt, ps, pa, pk, nd, dc: BatchShape's field order
         n = cols.shape[1]
         if not n:
             return np.zeros(0), np.zeros(0), np.zeros(0)
         if not marginals:
             t = self.cost.step_time(BatchShape(*cols))
-            return np.where(idle, M[DUR, sl], t), M[MDEC, sl], M[MPF, sl]
+            return t if idle is None else np.where(idle, M[DUR, sl], t), M[MDEC, sl], M[MPF, sl]
         g = float(_PROBE_TOKENS)
         x = np.tile(cols, 3)  # the passes, one more decode in each, g more prefill tokens in each
         x[PT, 2 * n:] += g
         x[PK, 2 * n:] += g
         x[ND:DC + 1, n:2 * n] += 1.0
         t = np.broadcast_to(np.asarray(self.cost.step_time(BatchShape(*x)), float), (3 * n,)).reshape(3, n)
+        if idle is None:
+            return t[0], t[1] - t[0], (t[2] - t[0]) / g
         dur = np.where(idle, M[DUR, sl], t[0])
         return dur, np.where(idle, 0.0, t[1] - t[0]), np.where(idle, 0.0, (t[2] - t[0]) / g)
 
@@ -245,7 +251,7 @@ class VirtualBatch:
         block[:] = 0.0
         block[ND], block[DC], block[NA] = nd, nd * (ctx + t), nd
         self.idle[:steps] = False
-        self.n, self._dn = steps, 0
+        self.n, self._dn, self._idle_end = steps, 0, 0
         sl = slice(0, steps)
         block[DUR], block[MDEC], block[MPF] = self._price(sl)
         block[END] = now + np.cumsum(block[DUR])
@@ -257,7 +263,7 @@ class VirtualBatch:
             n = self.n
             self.M[:, :n - k] = self.M[:, k:n]
             self.idle[:n - k] = self.idle[k:n]
-            self.n, self._dn = n - k, 0
+            self.n, self._dn, self._idle_end = n - k, 0, max(0, self._idle_end - k)
             self._derive()
 
     # -- probe and commit -----------------------------------------------------------------
@@ -387,7 +393,8 @@ class VirtualBatch:
         self._reserve(end)
         M = self.M
         self.idle[n:end] = False
-        self.idle[n] = gap
+        if gap:
+            self.idle[n], self._idle_end = True, n + 1
         if r:
             M[:, n:n + r] = np.array(rows, dtype=float).T
         dec = M[:, n + r:end]  # lone decodes, priced in closed form
