@@ -267,19 +267,18 @@ class VirtualBatch:
             self._derive()
 
     # -- probe and commit -----------------------------------------------------------------
-    def _first(self, mask: np.ndarray, j0: int) -> int:
-        """First index >= j0 where mask holds (n if none)."""
-        rest = mask[j0:self.n]
-        i = int(rest.argmax()) if len(rest) else 0
-        return j0 + i if len(rest) and rest[i] else self.n
-
     def _place(self, seg: Segment, now: float) -> _Placement:
         """Where `seg` would run if appended FCFS-last now; shared by probe and commit."""
         n = self.n
-        ready = max(seg.ready, now)
+        ready = now if now > seg.ready else seg.ready  # max(seg.ready, now)
         j0 = int(self.start[:n].searchsorted(ready, side="left"))
         p, d, h = seg.prefill, seg.decode, seg.history
-        j = self._first(self.room_pf if p > 0 else self.room, j0) if j0 < n else n
+        j = n
+        if j0 < n:  # the first open pass from j0 on: room for a prompt chunk, or for a decode
+            rest = (self.room_pf if p > 0 else self.room)[j0:n]
+            i = int(rest.argmax())
+            if rest[i]:
+                j = j0 + i
         if j >= n:
             return _Placement(j, -1, 0.0, j, 0, p, d, 0.0, ready)
         cfree, cmpf = self.C[0], self.C[1]
