@@ -340,7 +340,7 @@ class VirtualBatch:
                 kp = pl.kp
                 x = self.free[j:kp + 1].copy()
                 x[-1] = pl.x_last
-                hk = h + np.cumsum(x) - x
+                hk = h + x.cumsum() - x
                 pos = x > 0
                 M[PT, j:kp + 1] += x
                 M[PS, j:kp + 1] += pos
@@ -359,7 +359,7 @@ class VirtualBatch:
             dur = M[DUR, sl]
             old = dur.copy()
             dur[:] = self._price(sl, marginals=False)[0]
-            shift = np.cumsum(dur - old)
+            shift = (dur - old).cumsum()
             M[END, sl] += shift
             M[END, last + 1:n] += shift[-1]
         self._append_tail(seg, pl)
@@ -405,4 +405,4 @@ class VirtualBatch:
         if r:
             head = slice(n, n + r)
             M[DUR, head], M[MDEC, head], M[MPF, head] = self._price(head)
-        M[END, n:end] = t0 + np.cumsum(M[DUR, n:end])
+        M[END, n:end] = t0 + M[DUR, n:end].cumsum()
