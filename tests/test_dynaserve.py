@@ -307,7 +307,7 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
     assert gs.last.split == (60 + offset, 1)
     assert got == ref and c.migrations == 1
     assert not any(e.kv.leaked() for e in c.engines)
-    assert len(c.engines[0].scheduler.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens
+    assert len(c.engines[0].scheduler.selector.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens
 
 
 def test_prefill_budget_accounts_for_the_chunk_history():

@@ -25,7 +25,7 @@ class WindowedScheduler(BatchScheduler):
 
     def schedule(self, now):
         if not self.running and 0 < self.num_waiting < 4:
-            oldest = min(w[2].req.arrival for w in self._waiting)
+            oldest = min(w.req.arrival for w in self.selector.waiting_states())
             if now < oldest + WINDOW - 1e-12:
                 return None
         return super().schedule(now)
@@ -33,7 +33,7 @@ class WindowedScheduler(BatchScheduler):
     def wake_at(self, now):
         if self.running or not self.num_waiting:
             return None
-        return min(w[2].req.arrival for w in self._waiting) + WINDOW
+        return min(w.req.arrival for w in self.selector.waiting_states()) + WINDOW
 
 
 class Ticking(RoundRobin):

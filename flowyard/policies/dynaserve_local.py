@@ -10,23 +10,24 @@ decode count, measured time) in the table, so the prediction follows what the in
 does; before any measurement (cold start) it is the predictor cost model's.
 
 Everything else (queues, KV accounting, preemption, migrations, micro-request split handling)
-is `BatchScheduler`'s: this subclass changes only how much prefill goes into a step.
+is the core's (`core.LocalCore`): `DynaServeSelector` is vLLM's chunked selector whose token
+budget is set before every step, and the core's `migration_patience_s` breaks migration
+deadlocks between the instances of a pair.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
-from flowyard.core.request import Request, RequestState, Status
+from flowyard.core.request import Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import Role, StepResult
-from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.base import Role
+from flowyard.policies.core import LocalCore
+from flowyard.policies.selector import ChunkedSelector
 
 # Prefill budgets the table answers with (tokens), and the bucket edges of its keys.
 PREFILL_GRID: tuple[int, ...] = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
@@ -175,93 +176,47 @@ class ProfileTable:
         return ok
 
 
-class DynaServeLocalScheduler(BatchScheduler):
-    """`BatchScheduler` whose per-step prefill budget comes from Alg. 2's profile table."""
+class DynaServeSelector(ChunkedSelector):
+    """Chunked prefill (arrival order, each request at most `chunk_cap` tokens a step) whose
+    per-step token budget is the decodes plus Alg. 2's prefill budget from the profile table;
+    every executed step is measured back into the table."""
 
-    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: BatchConfig,
-                 cost: CostModel, local: LocalConfig = LocalConfig(),
-                 on_finish: Callable[[Request, int], None] | None = None) -> None:
-        super().__init__(instance, role, kv, config)
-        self.base_config = config
+    def __init__(self, cost: CostModel, local: LocalConfig = LocalConfig()) -> None:
+        super().__init__(local.min_prefill, chunk_cap=local.chunk_cap)
         self.local = local
         self.profile = ProfileTable(cost, local)
-        self.on_finish = on_finish  # finished requests' output lengths: the length predictor
         self.budgets: list[int] = []  # prefill budget of each step (tests, reports)
+        self._budget = 0
         self._composed: tuple[int, float, int, float, float] | None = None
-        self._since: dict[int, float] = {}  # migration id -> when it asked to come here
-        self.recomputed = 0  # migrations taken without their KV (deadlock breaker)
-        self._configs: dict[int, BatchConfig] = {}  # the base config at each step token budget
 
-    def schedule(self, now: float) -> StepPlan | None:
-        ready = [r for r in self.running if r.status is Status.RUNNING and not r.in_prefill]
+    def decode_cap(self, now: float) -> float:
+        ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
         n = len(ready)
         ctx = sum(r.num_computed + 1 for r in ready) / n if n else 0.0
-        history = max((r.num_computed for r in self.running if r.in_prefill), default=0)
-        budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
-        tokens = n + budget
-        config = self._configs.get(tokens)
-        if config is None:
-            if len(self._configs) > 4096:
-                self._configs.clear()
-            config = self._configs[tokens] = dataclasses.replace(self.base_config, max_num_batched_tokens=tokens)
-        self.config = config
-        plan = super().schedule(now)
-        if plan is not None:
-            self.budgets.append(budget)
-            shape = plan.shape()
-            dn = shape.decode_seqs
-            mean = float(shape.decode_ctx) / dn if dn else 0.0
-            self._composed = (int(shape.prefill_tokens), mean, dn, now, float(self.profile.cost.step_time(shape)))
-        return plan
+        history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
+        self._budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
+        self.token_budget = n + self._budget
+        return self.token_budget
 
-    def add_migration(self, state: RequestState, now: float) -> None:
-        super().add_migration(state, now)
-        self._since[state.id] = now
+    def planned(self, plan: StepPlan, now: float) -> None:
+        self.budgets.append(self._budget)
+        shape = plan.shape()
+        dn = shape.decode_seqs
+        mean = float(shape.decode_ctx) / dn if dn else 0.0
+        self._composed = (int(shape.prefill_tokens), mean, dn, now, float(self.profile.cost.step_time(shape)))
 
-    def admit_migrations(self, now: float) -> list[RequestState]:
-        """As BatchScheduler, plus a deadlock breaker. Micro-requests migrate both ways between
-        the instances of a pair, and a handed-off request keeps its KV at the source until the
-        destination admits it: two full instances can wait on each other forever. A migration
-        that has waited `migration_patience_s` for KV here is admitted without its KV and
-        recomputed here (as after a recompute preemption), so its source frees its KV."""
-        admitted = super().admit_migrations(now)
-        if (self._migrations and len(self.running) + len(self._incoming) < self.config.max_num_seqs):
-            head = self._migrations[0]
-            if now - self._since.get(head.id, now) >= self.local.migration_patience_s \
-                    and self.kv.allocate(head.id, 1):
-                self._migrations.pop(0)
-                head.num_computed = 0  # nothing moves; the source frees its KV when it "lands"
-                head.preemptions += 1
-                self._incoming[head.id] = head
-                admitted.append(head)
-                self.recomputed += 1
-        for st in admitted:
-            self._since.pop(st.id, None)
-        return admitted
-
-    def _migration_fits(self) -> bool:
-        """No multi-step decode run while a migration waits: its patience is measured in
-        steps as they end, exactly as when stepping one at a time."""
-        return bool(self._migrations) or super()._migration_fits()
-
-    def _chunk(self, want: int, budget: int, plan: StepPlan) -> int:
-        return super()._chunk(min(want, self.local.chunk_cap), budget, plan)
-
-    def _measure(self, out: StepOutput) -> None:
+    def executed(self, plan: StepPlan, out: StepOutput) -> None:
         """Record the first executed step of the plan in the profile table."""
         if self._composed is not None and len(out.end_times):
             pf, ctx, n, start, model = self._composed
             self.profile.record(pf, ctx, n, float(out.end_times[0]) - start, model)
         self._composed = None
 
-    def advance(self, plan: StepPlan, out: StepOutput) -> None:
-        self._measure(out)
-        super().advance(plan, out)
 
-    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
-        self._measure(out)
-        result = super().update_from_output(plan, out)
-        if self.on_finish is not None:
-            for st in result.finished:
-                self.on_finish(st.req, st.num_output)
-        return result
+def dynaserve_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel,
+                        local: LocalConfig = LocalConfig(), *, max_num_seqs: int = 256,
+                        max_model_len: int | None = None, max_repeats: int = 512) -> LocalCore:
+    """DynaServe's local scheduler: the core with Alg. 2's selector and migration patience."""
+    return LocalCore(instance, role, kv, DynaServeSelector(cost, local), max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len, max_repeats=max_repeats,
+                     migration_patience_s=local.migration_patience_s)

@@ -11,7 +11,7 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
 from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
-from flowyard.policies.dynaserve_local import DynaServeLocalScheduler
+from flowyard.policies.dynaserve_local import dynaserve_scheduler
 from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
@@ -208,7 +208,8 @@ def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
         def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
             # `batch` is policy.configs[role] when built (a caller's override applies) with the
             # executor's context limit and single-step promise
-            return DynaServeLocalScheduler(instance, role, kv, batch, predictor, local_cfg)
+            return dynaserve_scheduler(instance, role, kv, predictor, local_cfg, max_num_seqs=batch.max_num_seqs,
+                                       max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
         policy.schedulers[Role.MIXED] = local
         return policy

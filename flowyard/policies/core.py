@@ -1,0 +1,378 @@
+"""The one local scheduler: a MIXED-capable core plus a prefill-selection part.
+
+Every policy's instances run a `LocalCore`. What differs between policies is configuration,
+not subclasses:
+
+- `role`: MIXED decodes what it prefilled; PREFILL hands a request off once its prompt is
+  done (the KV stays until `release`); DECODE only takes migrations.
+- `selector` (`selector.PrefillSelector`): which prompts join a step and how much of them:
+  vLLM's chunked budget with a queue order (fcfs, edf, priority, s-edf, d-edf), DynaServe's
+  Alg. 2 budget, PLA-Serve's AWD short/long batches, FlowPrefill's SLO-aware batches with
+  operator preemption.
+- knobs: `max_num_seqs`, `max_model_len`, `max_repeats` (longest multi-step decode run a
+  simulator may fold), `migration_patience_s` (DynaServe's deadlock breaker).
+
+What the core does for all of them, once: decodes first (vLLM), KV growth with recompute
+preemption of the most recently admitted running request, multi-step decode runs with KV
+reserved ahead (`decode_run`), finishing, hand-offs and micro-request splits, migrations in and
+out, and the instance monitor behind snapshots (token interval, busy time, TTFT SLO outcomes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flowyard.core.kvcache import KVCacheManager, cdiv
+from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.request import RequestState, Status
+from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.decode_run import reserve_run
+from flowyard.policies.selector import PrefillSelector
+from flowyard.policies.slack import deadline
+
+TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
+
+
+class LocalCore(LocalScheduler):
+    def __init__(self, instance: int, role: Role, kv: KVCacheManager, selector: PrefillSelector, *,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, max_repeats: int = 512,
+                 migration_patience_s: float | None = None) -> None:
+        if max_num_seqs < 1 or max_repeats < 1:
+            raise ValueError("max_num_seqs and max_repeats must be positive")
+        self.instance, self.role, self.kv = instance, role, kv
+        self.selector = selector
+        self.max_num_seqs = max_num_seqs
+        limit = kv.capacity_tokens
+        self.max_model_len = min(limit, max_model_len or limit)
+        self.max_repeats = max_repeats
+        self.migration_patience_s = migration_patience_s
+        self.running: list[RequestState] = []  # admission order: decodes and started prompts
+        self._migrations: list[RequestState] = []  # want to come here, no KV reserved yet
+        self._since: dict[int, float] = {}  # migration id -> when it asked to come here
+        self._incoming: dict[int, RequestState] = {}  # KV reserved, transfer in flight
+        self._handed_off: dict[int, RequestState] = {}  # prefill done, KV held until release
+        self.last_preempted: list[RequestState] = []
+        self.preempted = 0  # recompute preemptions so far
+        self.recomputed = 0  # migrations taken without their KV (patience ran out)
+        self._run: StepPlan | None = None  # decode run in flight with KV reserved ahead
+        # Instance monitor: EWMA of the time between consecutive steps that decode, busy time,
+        # TTFT SLO outcomes of the first tokens produced here
+        self._plan_start: float | None = None  # `now` of the last schedule() that made a plan
+        self._decode_end: float | None = None  # end of the last step that decoded, None after a gap
+        self._token_interval: float | None = None
+        self.busy_s = 0.0
+        self.slo_done = self.slo_late = 0
+        selector.bind(self)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, state: RequestState, now: float) -> bool:
+        if state.req.prompt_len + 1 > self.max_model_len:
+            state.status = Status.REJECTED
+            state.reject_reason = (f"prompt of {state.req.prompt_len} tokens does not fit this "
+                                   f"instance (max_model_len {self.max_model_len})")
+            return False
+        state.instance = self.instance
+        state.status = Status.WAITING
+        self.selector.add(state, now)
+        return True
+
+    def start(self, st: RequestState) -> None:
+        """A selector admitted st into the running list (its KV grows there chunk by chunk)."""
+        st.status = Status.RUNNING
+        self.running.append(st)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.selector.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + self.selector.held_running()
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _preempt(self, victim: RequestState, plan: StepPlan, now: float) -> None:
+        """Recompute preemption: drop the KV and requeue; outputs so far are kept. A victim
+        already placed in this step's plan is taken out of it again."""
+        self.running.remove(victim)
+        self.kv.free(victim.id)
+        if victim in plan.decodes:
+            plan.decodes.remove(victim)
+        plan.prefills = [s for s in plan.prefills if s.state is not victim]
+        victim.num_computed = 0
+        victim.status = Status.PREEMPTED
+        victim.preemptions += 1
+        self.preempted += 1
+        self.selector.requeue(victim, now)
+        self.last_preempted.append(victim)
+
+    def grow(self, st: RequestState, total: int, plan: StepPlan, now: float = 0.0) -> bool:
+        """Allocate KV for st up to total tokens, preempting from the back of running."""
+        while not self.kv.allocate(st.id, total):
+            victim = self.running[-1]
+            self._preempt(victim, plan, now)
+            if victim is st:
+                return False
+        return True
+
+    def schedule(self, now: float) -> StepPlan | None:
+        plan = StepPlan()
+        self.last_preempted = []
+        cap = self.selector.decode_cap(now)
+        for st in [r for r in self.running if not r.in_prefill]:
+            if st.status is Status.RUNNING and len(plan.decodes) < cap:
+                if self.grow(st, st.num_computed + 1, plan, now):
+                    plan.decodes.append(st)
+        plan = self.selector.select(plan, now)
+        if plan.empty:
+            self._decode_end = None  # idle: the next decode's interval starts at its plan
+            self.selector.idle()
+            return None
+        self._plan_start = now
+        if not plan.prefills and self.selector.allows_run() and not self._migration_fits():
+            plan.max_repeats = reserve_run(self.kv, plan.decodes, self.max_repeats, self.max_model_len)
+            self._run = plan if plan.max_repeats > 1 else None
+        self.selector.planned(plan, now)
+        return plan
+
+    def _migration_fits(self) -> bool:
+        """Whether a pending migration could be admitted at the end of the next step; if so the
+        scheduler must get control back then, so no multi-step run is promised. With patience,
+        any waiting migration counts: its patience is measured in steps as they end."""
+        if not self._migrations:
+            return False
+        if self.migration_patience_s is not None:
+            return True
+        head = self._migrations[0]
+        if len(self.running) + len(self._incoming) >= self.max_num_seqs:
+            return False
+        return self.kv.blocks_needed(head.id, head.num_computed + 1) <= self.kv.num_free_blocks
+
+    def shorten(self, plan: StepPlan, steps: int) -> None:
+        """The executor will run only `steps` of a decode run: free the KV reserved beyond."""
+        for d in plan.decodes:
+            self.kv.trim(d.id, d.num_computed + steps)
+        plan.max_repeats = steps
+
+    def wake_at(self, now: float) -> float | None:
+        return self.selector.wake_at(now)
+
+    def preempt_check(self, now: float) -> bool:
+        return self.selector.preempt_check(now)
+
+    def suspend(self, plan: StepPlan, ops_done: int, now: float) -> None:
+        self.selector.suspend(plan, ops_done, now)
+
+    # -- applying results ----------------------------------------------------------------------
+    def _monitor(self, plan: StepPlan, times) -> None:
+        """Busy time, and the token intervals of these steps folded into the EWMA. An interval
+        is the time from the previous decoding step's end (or from this plan's start, when the
+        step before did not decode) to this step's end: what a decoding user waits per token."""
+        if not len(times):
+            self._decode_end = None
+            return
+        end = float(times[-1])
+        if self._plan_start is not None:
+            self.busy_s += end - self._plan_start
+        if not plan.decodes:
+            self._decode_end = None
+            self._plan_start = end
+            return
+        prev = self._decode_end if self._decode_end is not None else self._plan_start
+        if prev is None:
+            prev = float(times[0])  # a plan made elsewhere: no start to measure from
+        a = TOKEN_INTERVAL_ALPHA
+        if len(times) == 1:
+            x = float(times[0]) - prev
+            e = self._token_interval
+            self._token_interval = x if e is None else (1 - a) * e + a * x
+        else:
+            xs = np.diff(np.concatenate(([prev], np.asarray(times, dtype=float))))
+            k = len(xs)
+            e = self._token_interval if self._token_interval is not None else float(xs[0])
+            w = a * (1 - a) ** np.arange(k - 1, -1, -1)
+            self._token_interval = float((1 - a) ** k * e + w @ xs)
+        self._decode_end = end
+        self._plan_start = end
+
+    def advance(self, plan: StepPlan, out: StepOutput) -> None:
+        """Apply the first out.steps steps of a decode run that goes on (the run was cut into
+        pieces so a snapshot reflects the steps already done)."""
+        self.selector.executed(plan, out)
+        for d in plan.decodes:
+            d.num_computed += out.steps
+            d.record_tokens(out.end_times)
+        self._monitor(plan, out.end_times)
+        plan.max_repeats -= out.steps
+
+    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+        self.selector.executed(plan, out)
+        self._run = None
+        steps, times, sampled = out.steps, out.end_times, out.sampled
+        result = StepResult(preempted=self.last_preempted)
+        self._monitor(plan, times)
+        touched: list[RequestState] = []
+        done_here: set[int] = set()  # queue-held prompts that finished here (not yet running)
+        for d in plan.decodes:
+            d.num_computed += steps
+            d.record_tokens(times)
+            if sampled is not None:
+                d.output_tokens.extend(sampled.get(d.id, ()))
+            if steps < plan.max_repeats:
+                self.kv.trim(d.id, d.num_computed)
+            self.kv.register(d)
+            touched.append(d)
+        held = self.selector.holds_partials
+        for s in self.selector.applied(plan):
+            st = s.state
+            st.num_computed += s.n
+            self.kv.register(st)
+            if s.samples:
+                st.record_tokens(times[:1])
+                if sampled is not None:
+                    st.output_tokens.extend(sampled.get(st.id, ()))
+                if st.req.slo.ttft is not None and st.num_output == 1:  # not a recompute
+                    self.slo_done += 1
+                    self.slo_late += st.first_token_time > deadline(st.req)
+                touched.append(st)
+                if held:
+                    done_here.add(st.id)
+            elif st.split_at is not None and st.num_computed >= st.split_at:
+                touched.append(st)  # a micro-request's first segment ends inside the prompt
+            elif held:
+                st.status = Status.WAITING
+                self.selector.chunk_done(st)
+        removed = False
+        for st in touched:
+            split = st.split_at is not None and st.num_computed >= st.split_at
+            if st.num_output and (st.done or st.id in out.stopped or st.seq_len >= self.max_model_len):
+                self._finish(st)
+                result.finished.append(st)
+                removed = True
+            elif self.role is Role.PREFILL or split:
+                st.split_at = None  # the rest runs on the next instance as a plain request
+                st.status = Status.MIGRATING
+                self._handed_off[st.id] = st
+                result.handoffs.append(st)
+                removed = True
+            else:
+                if st.id in done_here:
+                    self.start(st)  # a queue-held prompt is done: it decodes here now
+                if st.num_output == 1:
+                    result.prefilled.append(st)
+        if removed:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return result
+
+    def _finish(self, st: RequestState) -> None:
+        st.status = Status.FINISHED
+        st.finish_time = float(st.token_times[-1][-1]) if st.token_times else None
+        self.kv.free(st.id)
+
+    # -- migration -----------------------------------------------------------------------------
+    def add_migration(self, state: RequestState, now: float) -> None:
+        if self.role is Role.PREFILL:
+            raise ValueError(f"prefill instance {self.instance} does not take migrations")
+        state.status = Status.MIGRATING
+        self._migrations.append(state)
+        if self.migration_patience_s is not None:
+            self._since[state.id] = now
+
+    def admit_migrations(self, now: float) -> list[RequestState]:
+        """Migrations for which KV is reserved now, in arrival order. With patience (DynaServe):
+        micro-requests migrate both ways between the instances of a pair, and a handed-off
+        request keeps its KV at the source until the destination admits it, so two full
+        instances can wait on each other forever; a migration that has waited
+        `migration_patience_s` for KV here is admitted without its KV and recomputed here (as
+        after a recompute preemption), so its source frees its KV."""
+        admitted = []
+        while self._migrations and len(self.running) + len(self._incoming) < self.max_num_seqs:
+            st = self._migrations[0]
+            if not self.kv.allocate(st.id, st.num_computed + 1):
+                break
+            self._migrations.pop(0)
+            self._incoming[st.id] = st
+            admitted.append(st)
+        patience = self.migration_patience_s
+        if patience is None:
+            return admitted
+        if self._migrations and len(self.running) + len(self._incoming) < self.max_num_seqs:
+            head = self._migrations[0]
+            if now - self._since.get(head.id, now) >= patience and self.kv.allocate(head.id, 1):
+                self._migrations.pop(0)
+                head.num_computed = 0  # nothing moves; the source frees its KV when it "lands"
+                head.preemptions += 1
+                self._incoming[head.id] = head
+                admitted.append(head)
+                self.recomputed += 1
+        for st in admitted:
+            self._since.pop(st.id, None)
+        return admitted
+
+    def migration_arrived(self, state: RequestState, now: float) -> None:
+        del self._incoming[state.id]
+        state.instance = self.instance
+        state.status = Status.RUNNING
+        self.running.append(state)
+
+    def hand_off(self, req_id: int) -> RequestState | None:
+        """Stop running a request here without freeing its KV, so it can continue on another
+        instance from exactly where it is (mid-prefill, at prefill end, or mid-decode). Only
+        between steps; a request with nothing computed yet is simply re-routed instead."""
+        st = next((r for r in self.running if r.id == req_id), None)
+        if st is None or st.num_computed == 0:
+            return None
+        self.running.remove(st)
+        st.status = Status.MIGRATING
+        self._handed_off[st.id] = st
+        return st
+
+    def release(self, req_id: int) -> None:
+        del self._handed_off[req_id]
+        self.kv.free(req_id)
+
+    def abort(self, req_id: int) -> RequestState | None:
+        st = next((r for r in self.running if r.id == req_id), None)
+        if st is not None:
+            self.running.remove(st)
+        else:
+            st = next((r for r in self._migrations if r.id == req_id), None)
+            if st is not None:
+                self._migrations.remove(st)
+            else:
+                st = (self._incoming.pop(req_id, None) or self._handed_off.pop(req_id, None)
+                      or self.selector.remove(req_id))
+                if st is None:
+                    return None
+        self._since.pop(req_id, None)
+        self.kv.free(req_id)
+        st.status = Status.ABORTED
+        return st
+
+    # -- views ---------------------------------------------------------------------------------
+    def _reserved_ahead(self) -> int:
+        """Blocks a decode run holds for steps after the one in flight: free as far as a
+        step-by-step scheduler is concerned, so snapshots count them as free."""
+        if self._run is None:
+            return 0
+        bs = self.kv.block_size
+        return sum(self.kv.num_held(d.id) - cdiv(d.num_computed + 1, bs) for d in self._run.decodes)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._migrations or self._incoming or self._handed_off
+                    or self.selector.has_work())
+
+    def snapshot(self) -> InstanceSnapshot:
+        partial = sum(1 for r in self.running if r.in_prefill)
+        snap = InstanceSnapshot(
+            instance=self.instance, role=self.role, num_running=len(self.running), num_waiting=0,
+            waiting_tokens=0, running_tokens=sum(r.seq_len for r in self.running),
+            kv_free_blocks=self.kv.num_free_blocks + self._reserved_ahead(),
+            kv_total_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+            num_migrating_in=len(self._migrations) + len(self._incoming),
+            incoming_tokens=sum(r.seq_len for r in self._migrations)
+            + sum(r.seq_len for r in self._incoming.values()),
+            num_decoding=len(self.running) - partial, token_interval=self._token_interval or 0.0,
+            busy_s=self.busy_s, slo_done=self.slo_done, slo_late=self.slo_late,
+        )
+        self.selector.fill(snap)
+        return snap
