@@ -13,7 +13,8 @@ from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.awd import AWDConfig, AWDState
 from flowyard.policies.base import Role
-from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, length_model_of
+from flowyard.policies.core import LocalCore
+from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
@@ -29,8 +30,8 @@ def req(i, t, prompt, ttft=0.4, out=4, history=0):
                    slo=SLO(ttft=ttft) if ttft else SLO())
 
 
-def sched(**kw) -> PLAPrefillScheduler:
-    return PLAPrefillScheduler(0, Role.PREFILL, KVCacheManager(20_000, 16), PLAConfig(**kw), COST, LENGTHS)
+def sched(**kw) -> LocalCore:
+    return pla_scheduler(0, Role.PREFILL, KVCacheManager(20_000, 16), PLAConfig(**kw), COST, LENGTHS)
 
 
 # -- AWD (Alg. 1) -------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def test_a_tight_deadline_cuts_the_window_short():
     s.add_request(RequestState(req(0, 0.0, 40, ttft=0.03)), 0.0)
     assert s.schedule(0.0) is None
     wake = s.wake_at(0.0)  # when the slack reaches sigma, far before the 50 ms window
-    est = s._short_estimate()
+    est = s.selector._short_estimate()
     assert wake == pytest.approx(0.03 - est - 0.01)
     assert s.schedule(wake) is not None
     s2 = sched(awd=AWDConfig(w_max=0.05, w_min=0.05, sigma=0.05))
@@ -158,13 +159,13 @@ def test_a_turn_routed_away_from_its_history_is_long():
     s = sched()
     r = RequestState(req(0, 0.0, 4000, history=3960))  # its history is cached elsewhere
     s.add_request(r, 0.0)
-    assert 0 not in s.short and list(s.long) == [r]
+    assert 0 not in s.selector.short and list(s.selector.long) == [r]
 
 
 def test_a_short_prompt_that_cannot_get_kv_lets_the_long_prompt_holding_it_go_on():
     """Regression: with a tight short slack the long chunk was held back while the short prompt
     waited for KV that only the long prompt's end would free: nothing ever ran."""
-    s = PLAPrefillScheduler(0, Role.PREFILL, KVCacheManager(300, 16), PLAConfig(boundary=1000),
+    s = pla_scheduler(0, Role.PREFILL, KVCacheManager(300, 16), PLAConfig(boundary=1000),
                             COST, LENGTHS)
     long_ = RequestState(req(0, 0.0, 4000, ttft=30.0))  # reserves 250 of the 300 blocks
     s.add_request(long_, 0.0)

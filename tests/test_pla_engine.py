@@ -73,7 +73,7 @@ def test_short_prompts_overtake_a_long_chunked_prefill_with_identical_tokens(tin
     assert got["long"] == alone(model, tok, long_prompt)
     assert all(got[f"s{i}"] == alone(model, tok, s) for i, s in enumerate(shorts))
     sched = c.engines[0].scheduler
-    assert sched.stats.short_batches == 1 and sched.stats.short_requests == 3  # one AWD batch
+    assert sched.selector.stats.short_batches == 1 and sched.selector.stats.short_requests == 3  # one AWD batch
     for e in c.engines:
         assert not e.kv.leaked() and not e.has_unfinished()
 

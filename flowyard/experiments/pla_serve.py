@@ -202,7 +202,8 @@ class Runner:
         re_short = [computed.get(s.id, 0) for s, k in zip(states, short) if k and s.req.history_len > 0]
         kv = [i.sched.kv for i in sim.instances]
         queries = sum(getattr(k, "queries", 0) for k in kv)
-        stats = [i.sched.stats for i in sim.instances if hasattr(i.sched, "stats") and hasattr(i.sched, "awd")]
+        parts = [getattr(i.sched, "selector", i.sched) for i in sim.instances]  # PLA: the AWD selector
+        stats = [p.stats for p in parts if hasattr(p, "stats") and hasattr(p, "awd")]
         batches = sum(s.short_batches for s in stats)
         busy = res.instance_busy_s  # PD: prefill instances first; colocated: all count as "prefill"
 

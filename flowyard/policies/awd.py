@@ -14,7 +14,7 @@ each dispatch W and D adapt (Alg. 1 l. 12-15): a full batch sets W to the time i
 fill; a short one lowers D to its depth. Ours adds the way back up: a full batch raises D one
 captured depth, so a burst after a lull is not held to a small D forever.
 
-This module is pure decision logic over plain numbers; `pla.PLAPrefillScheduler` owns the
+This module is pure decision logic over plain numbers; `pla.PLASelector` owns the
 queues and the KV.
 """
 

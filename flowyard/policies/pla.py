@@ -1,5 +1,5 @@
-"""PLA-Serve's prefill-instance scheduler: length-aware, mutually exclusive short and long
-prefill steps (PLA-Serve §3.2, temporal disaggregation).
+"""PLA-Serve's prefill selector: length-aware, mutually exclusive short and long prefill steps
+(PLA-Serve §3.2, temporal disaggregation), a part of the local scheduler core.
 
 Every request is classified once, on arrival, by its new tokens L = prompt - cached history
 against the compute-memory boundary L_m (§2.1, `pla_boundary`). Short ones wait in Q_s and
@@ -17,6 +17,11 @@ batches leave when they reach the token budget or the window closes.
 With spatial disaggregation (`pla_router`) an instance belongs to the short or the long pool
 and receives mostly one class; it still serves whatever is in its queues, so an instance that
 changes pool drains its old class first.
+
+The same selector runs PD prefill instances (`pla`, `pla-spatial`: role PREFILL, the core hands
+each request off when its prompt is done) and colocated ones (`pla-mix`: role MIXED, the core
+keeps the request and every step carries all running decodes plus the prefill part chosen here;
+a decode preempted for KV is recomputed through Q_s or Q_l by the tokens it must recompute).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
-from flowyard.core.request import Request, RequestState, Status
+from flowyard.core.plan import PrefillSlice, StepPlan
+from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.awd import AWDConfig, AWDState
-from flowyard.policies.base import InstanceSnapshot, Role, StepResult
-from flowyard.policies.prefill_only import PrefillOnlyScheduler
+from flowyard.policies.base import InstanceSnapshot, Role
+from flowyard.policies.core import LocalCore
 from flowyard.policies.pla_boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
+from flowyard.policies.selector import PrefillSelector
 from flowyard.policies.slack import TTFTPredictor, deadline
 
 
@@ -82,15 +88,13 @@ class PLAStats:
     short_requests: int = 0
     graphed: int = 0
     long_chunks: int = 0
-    busy_s: float = 0.0  # sum of predicted step times: the controller's utilisation signal
+    busy_s: float = 0.0  # sum of predicted prefill step times: PD instances' utilisation signal
 
 
-class PLAPrefillScheduler(PrefillOnlyScheduler):
-    policy_name = "PLA-Serve"
+class PLASelector(PrefillSelector):
+    holds_partials = True
 
-    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: PLAConfig,
-                 predictor: CostModel, lengths: LengthModel) -> None:
-        super().__init__(instance, role, kv)
+    def __init__(self, config: PLAConfig, predictor: CostModel, lengths: LengthModel) -> None:
         self.config = config
         self.predict = TTFTPredictor(predictor)
         self.lengths = lengths
@@ -98,26 +102,43 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         self.long: deque[RequestState] = deque()  # Q_l
         self.awd = AWDState(config.awd)
         self.stats = PLAStats()
-        self._slo_done = self._slo_late = 0  # the controller's SLA-deviation signal
         self._inflight: list[PrefillSlice] = []  # the step being executed (for snapshots)
 
     # -- queues ------------------------------------------------------------------------------
-    def add_request(self, state: RequestState, now: float) -> bool:
-        if not self._fits(state):
-            return False
-        if self._classify_short(state):
-            self.short[state.id] = state
+    def add(self, st: RequestState, now: float) -> None:
+        if self._classify_short(st):
+            self.short[st.id] = st
             self.awd.arrived(now)
         else:
-            self.long.append(state)
-        return True
+            self.long.append(st)
+
+    def requeue(self, st: RequestState, now: float) -> None:
+        """A decode preempted for KV: prompt and outputs so far are recomputed, short or long
+        by the tokens this instance must really compute."""
+        cached = self.core.kv.peek_prefix(st)
+        if fill_is_short(st.seq_len - cached, cached, self.lengths, self.config.boundary):
+            self.short[st.id] = st
+            self.awd.arrived(now)
+        else:
+            self.long.append(st)
+
+    def chunk_done(self, st: RequestState) -> None:
+        self.long.appendleft(st)  # a long prompt's chunk: back to the head of Q_l
+
+    def remove(self, req_id: int) -> RequestState | None:
+        st = self.short.pop(req_id, None)
+        if st is None:
+            st = next((s for s in self.long if s.id == req_id), None)
+            if st is not None:
+                self.long.remove(st)
+        return st
 
     def _classify_short(self, st: RequestState) -> bool:
         """By what this instance really has to compute: the history counts only if its KV is
         in this instance's prefix cache (a turn routed away from its history is not short)."""
         if st.req.history_len == 0:
             return self.is_short(st.req)
-        cached = min(self.kv.peek_prefix(st), st.req.prompt_len - 1)
+        cached = min(self.core.kv.peek_prefix(st), st.req.prompt_len - 1)
         return is_short(replace(st.req, history_len=cached), self.lengths, self.config.boundary)
 
     def is_short(self, r: Request) -> bool:
@@ -139,10 +160,19 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         return self.predict.slices([PrefillSlice(s, s.seq_len - t, lb) for s, t in zip(batch, todo)])
 
     # -- scheduling --------------------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan | None:
-        plan = self._choose(now)
-        self._inflight = plan.prefills if plan is not None else []
+    def select(self, plan: StepPlan, now: float) -> StepPlan:
+        pre = self._choose(now)
+        if pre is not None:
+            plan.prefills = pre.prefills
+            if pre.graph is not None and plan.decodes:
+                self.stats.graphed -= 1  # decode rows do not fit a captured prefill shape
+            else:
+                plan.graph = pre.graph
+        self._inflight = plan.prefills
         return plan
+
+    def allows_run(self) -> bool:
+        return not self.short and not self.long
 
     def _choose(self, now: float) -> StepPlan | None:
         if self.short:
@@ -176,7 +206,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
 
     def _todo(self, st: RequestState) -> int:
         """Tokens a waiting request will really compute here (its cached prefix excluded)."""
-        return st.uncomputed - (self.kv.peek_prefix(st) if st.num_computed == 0 else 0)
+        return st.uncomputed - (self.core.kv.peek_prefix(st) if st.num_computed == 0 else 0)
 
     def _short_tokens(self) -> int:
         return sum(self._todo(s) for s in self.short.values())
@@ -197,7 +227,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
             want = max(longest, todo[st.id])
             if plan.prefills and (cfg.bucket(want) or want) * (len(plan.prefills) + 1) > cfg.memory_budget:
                 continue
-            if not self._admit(st, st.uncomputed, plan):
+            if not self.admit_whole(st, st.uncomputed, plan):
                 continue
             del self.short[st.id]
             longest = max(longest, plan.prefills[-1].n)
@@ -213,8 +243,8 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         return plan
 
     def _seq_room(self) -> int:
-        """Requests one step may prefill (mix mode subtracts its running decodes)."""
-        return self.config.max_num_seqs
+        """Requests one step may prefill: what the running decodes leave of max_num_seqs."""
+        return self.config.max_num_seqs - len(self.core.running)
 
     def _long_time(self) -> float:
         """Predicted time of the next long step (a full chunk of C_l tokens at most)."""
@@ -229,7 +259,7 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         budget = self.config.long_chunk
         while self.long and budget > 0 and len(plan.prefills) < self._seq_room():
             st = self.long[0]
-            if not self._admit(st, min(budget, st.uncomputed), plan):
+            if not self.admit_whole(st, min(budget, st.uncomputed), plan):
                 break
             self.long.popleft()  # an unfinished prompt goes back to the head after the step
             budget -= plan.prefills[-1].n
@@ -239,55 +269,33 @@ class PLAPrefillScheduler(PrefillOnlyScheduler):
         self.stats.busy_s += self.predict.step(plan)
         return plan
 
-    # -- results -----------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+    def executed(self, plan: StepPlan, out) -> None:
         self._inflight = []
-        result = StepResult()
-        for s in plan.prefills:
-            st = s.state
-            st.num_computed += s.n
-            self.kv.register(st)
-            if not s.samples:  # a long prompt's chunk: it goes back to the head of Q_l
-                st.status = Status.WAITING
-                self.long.appendleft(st)
-                continue
-            self._prefilled(st, out, result)
-            if st.req.slo.ttft is not None and st.num_output == 1:  # not a recompute (mix mode)
-                self._slo_done += 1
-                self._slo_late += st.first_token_time > deadline(st.req)
-        return result
-
-    def abort(self, req_id: int) -> RequestState | None:
-        st = self.short.pop(req_id, None) or self._handed_off.pop(req_id, None)
-        if st is None:
-            st = next((s for s in self.long if s.id == req_id), None)
-            if st is None:
-                return None
-            self.long.remove(st)
-        self.kv.free(req_id)
-        st.status = Status.ABORTED
-        return st
 
     # -- views -------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self.short) + len(self.long)
 
-    @property
-    def num_running(self) -> int:
+    def held_running(self) -> int:
         return len(self._inflight)
 
-    def has_work(self) -> bool:
-        return bool(self.short or self.long or self._handed_off)
+    def fill(self, snap: InstanceSnapshot) -> None:
+        inflight = self._inflight
+        snap.num_running += len(inflight)
+        snap.num_waiting = self.num_waiting
+        snap.waiting_tokens = (self._short_tokens() + sum(s.uncomputed for s in self.long)
+                               + sum(s.n for s in inflight))
+        snap.running_tokens += sum(s.state.seq_len for s in inflight)
+        if self.core.role is Role.PREFILL:
+            snap.busy_s = self.stats.busy_s  # predicted: PD prefill instances' controller signal
 
-    def snapshot(self) -> InstanceSnapshot:
-        return InstanceSnapshot(
-            instance=self.instance, role=self.role, num_running=len(self._inflight),
-            num_waiting=self.num_waiting,
-            waiting_tokens=self._short_tokens() + sum(s.uncomputed for s in self.long)
-            + sum(s.n for s in self._inflight),
-            running_tokens=sum(s.state.seq_len for s in self._inflight),
-            kv_free_blocks=self.kv.num_free_blocks,
-            kv_total_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
-            busy_s=self.stats.busy_s, slo_done=self._slo_done, slo_late=self._slo_late,
-        )
+
+def pla_scheduler(instance: int, role: Role, kv: KVCacheManager, config: PLAConfig, predictor: CostModel,
+                  lengths: LengthModel, *, max_model_len: int | None = None, max_repeats: int = 512) -> LocalCore:
+    """PLA-Serve's local scheduler: the core with the AWD short/long selector. Role PREFILL for
+    PD (`pla`, `pla-spatial`), MIXED for `pla-mix`."""
+    if role is Role.DECODE:
+        raise ValueError("PLA-Serve's selector schedules prefill or colocated (MIXED) instances")
+    return LocalCore(instance, role, kv, PLASelector(config, predictor, lengths), max_num_seqs=config.max_num_seqs,
+                     max_model_len=max_model_len, max_repeats=max_repeats)

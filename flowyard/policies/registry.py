@@ -15,8 +15,7 @@ from flowyard.policies.dynaserve_local import dynaserve_scheduler
 from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.local import BatchConfig, BatchScheduler
-from flowyard.policies.pla import PLAConfig, PLAPrefillScheduler, length_model_of
-from flowyard.policies.pla_mix import PLAMixScheduler
+from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig, PLARouter
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
@@ -149,20 +148,15 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     lengths = length_model_of(predictor)
     router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary,
                        affinity=cfg.affinity_tolerance)
-    if mix:  # no decode pool: each instance decodes what it prefilled (pla_mix)
-        policy = Policy(name, router, roles, {Role.MIXED: BatchConfig(max_num_seqs=cfg.max_num_seqs)})
+    def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
+        return pla_scheduler(instance, role, kv, cfg, predictor, lengths, max_model_len=batch.max_model_len,
+                             max_repeats=batch.max_repeats)
 
-        def mixed(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
-            return PLAMixScheduler(instance, role, kv, cfg, predictor, lengths, max_repeats=batch.max_repeats)
-
-        policy.schedulers[Role.MIXED] = mixed
-        return policy
-
-    def prefill(instance: int, role: Role, kv: KVCacheManager, _: BatchConfig) -> LocalScheduler:
-        return PLAPrefillScheduler(instance, role, kv, cfg, predictor, lengths)
-
+    if mix:  # no decode pool: each instance decodes what it prefilled
+        return Policy(name, router, roles, {Role.MIXED: BatchConfig(max_num_seqs=cfg.max_num_seqs)},
+                      {Role.MIXED: local})
     decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
-    return Policy(name, router, roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
+    return Policy(name, router, roles, {Role.DECODE: decode}, {Role.PREFILL: local})
 
 
 def _arrow(mode: str) -> Callable[[str, PolicyOptions], Policy]:
