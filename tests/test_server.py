@@ -58,13 +58,15 @@ class FakeEngine:
         self.delay, self.first_delay, self.max_queue = delay, first_delay, max_queue
         self.max_model_len, self.fail, self.lazy_queue_error = max_model_len, fail, lazy_queue_error
         self.calls: list[tuple[str, list[int], SamplingParams, SLO | None]] = []
+        self.routing: list[dict] = []  # session/task/priority hints the server passed
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.closed_early: list[str] = []
         self.healthy = True
 
-    def generate(self, request_id, prompt_ids, params, slo=None):
+    def generate(self, request_id, prompt_ids, params, slo=None, **routing):
         self.calls.append((request_id, list(prompt_ids), params, slo))
+        self.routing.append(routing)
         if self.fail == "reject":
             raise ValueError("token id 99999 is not in the vocabulary")
         if len(self.active) >= self.max_queue:
@@ -213,6 +215,31 @@ BAD += [  # rows that need a particular engine or headers: (..., opts)
     ("api-key-not-bearer", "GET", "/v1/models", None, 401, "invalid_api_key", None, {"headers": {"Authorization": "k"}}),
     ("queue-full", "POST", C, chat_body(), 429, "queue_full", None, {"engine": {"max_queue": 0}}),
     ("queue-full-stream", "POST", P, cmpl_body(stream=True), 429, "queue_full", None, {"engine": {"max_queue": 0}}),
+]
+
+
+def _slo_headers(**h: str) -> dict:
+    return {"headers": {**AUTH, **{k.replace("_", "-"): v for k, v in h.items()}}}
+
+
+BAD += [  # issue 17: per-request SLOs and priority; a type slip is a 400, never a silent 1 s or 1
+    ("priority-bool", "POST", C, chat_body(priority=True), 400, "invalid_value", "priority"),
+    ("priority-string", "POST", P, cmpl_body(priority="5"), 400, "invalid_value", "priority"),
+    ("priority-fraction", "POST", P, cmpl_body(priority=1.5), 400, "invalid_value", "priority"),
+    ("priority-null", "POST", P, cmpl_body(priority=None), 400, "invalid_value", "priority"),
+    ("priority-too-big", "POST", C, chat_body(priority=2**31), 400, "invalid_value", "priority"),
+    ("slo-bool", "POST", C, chat_body(ttft_slo=True), 400, "invalid_value", "ttft_slo"),
+    ("slo-string", "POST", P, cmpl_body(tpot_slo="0.1"), 400, "invalid_value", "tpot_slo"),
+    ("slo-object-string", "POST", P, cmpl_body(slo={"tbt": "fast"}), 400, "invalid_value", "slo.tbt"),
+    ("slo-header-negative", "POST", C, chat_body(), 400, "invalid_value", "x-slo-ttft-ms",
+     _slo_headers(x_slo_ttft_ms="-5")),
+    ("slo-header-zero", "POST", P, cmpl_body(), 400, "invalid_value", "x-slo-tpot-ms", _slo_headers(x_slo_tpot_ms="0")),
+    ("slo-header-text", "POST", C, chat_body(), 400, "invalid_value", "x-slo-tpot-ms",
+     _slo_headers(x_slo_tpot_ms="50ms")),
+    ("slo-header-inf", "POST", C, chat_body(), 400, "invalid_value", "x-slo-ttft-ms", _slo_headers(x_slo_ttft_ms="inf")),
+    ("slo-header-empty", "POST", P, cmpl_body(), 400, "invalid_value", "x-slo-tbt-ms", _slo_headers(x_slo_tbt_ms="")),
+    ("slo-header-contradicts-body", "POST", C, chat_body(ttft_slo=0.5), 400, "invalid_value", "ttft_slo",
+     _slo_headers(x_slo_ttft_ms="900")),
 ]
 
 
@@ -383,6 +410,28 @@ def test_slo_fields_reach_engine(client, engine):
     client.post(P, json=cmpl_body(slo={"ttft": 2.0, "tpot": 0.1, "tbt": 0.2}))
     client.post(P, json=cmpl_body(slo={}))
     assert [c[3] for c in engine.calls] == [SLO(ttft=0.5, tpot=0.05), SLO(ttft=2.0, tpot=0.1, tbt=0.2), None]
+
+
+def test_slo_headers_merge_with_body_and_priority_reaches_engine(client, engine):
+    """Headers are milliseconds, body fields seconds; a header and a body field for different
+    objectives combine, the same value in both is fine, and priority 0 (vLLM's default) stays
+    out of the routing hints."""
+    ok = [client.post(C, json=chat_body(tpot_slo=0.05), headers={"x-slo-ttft-ms": "250"}),
+          client.post(P, json=cmpl_body(slo={"ttft": 0.25}), headers={"X-SLO-TTFT-MS": "250", "x-slo-tbt-ms": "1e2"}),
+          client.post(P, json=cmpl_body(priority=-3), headers={"x-slo-tpot-ms": " 40 "})]
+    assert [r.status_code for r in ok] == [200, 200, 200], [r.text for r in ok]
+    assert [c[3] for c in engine.calls] == [SLO(ttft=0.25, tpot=0.05), SLO(ttft=0.25, tbt=0.1), SLO(tpot=0.04)]
+    assert engine.routing == [{}, {}, {"priority": -3}]
+
+
+def test_priority_in_prepared_routing():
+    from flowyard.server.protocol import CompletionRequest
+    from flowyard.server.serving import prepare_completion
+
+    eng = FakeEngine()
+    hints = [prepare_completion(CompletionRequest(prompt="hi", **kw), eng, "fake-model", 16).routing
+             for kw in ({}, {"priority": 7}, {"priority": 1.0, "session_id": "s"})]
+    assert hints == [{}, {"priority": 7}, {"session": "s", "priority": 1}]
 
 
 def test_models_health_and_served_name():

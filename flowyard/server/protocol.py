@@ -8,6 +8,7 @@ declared so the server can reject them explicitly instead of silently ignoring t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -20,6 +21,15 @@ class _Body(BaseModel):
     """Base of request bodies: ignore unknown fields, refuse NaN/inf numbers."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _plain_number(v: Any, what: str) -> Any:
+    """Refuse JSON booleans and strings where a number is meant: pydantic's lax mode would
+    read `true` as 1 and "5" as 5, so a client's type slip would silently become a 1 s SLO
+    or a priority instead of a 400."""
+    if isinstance(v, (bool, str)):
+        raise PydanticCustomError("number_type", "must be {what}, got {v}", {"what": what, "v": json.dumps(v)})
+    return v
 
 
 class StreamOptions(_Body):
@@ -36,6 +46,11 @@ class SLOSpec(BaseModel):
     ttft: float | None = Field(None, gt=0)
     tpot: float | None = Field(None, gt=0)
     tbt: float | None = Field(None, gt=0)
+
+    @field_validator("ttft", "tpot", "tbt", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        return _plain_number(v, "a positive number of seconds")
 
 
 class _SamplingRequest(_Body):
@@ -74,6 +89,16 @@ class _SamplingRequest(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("ttft_slo", "tpot_slo", "tbt_slo", mode="before")
+    @classmethod
+    def _slo_number(cls, v: Any) -> Any:
+        return _plain_number(v, "a positive number of seconds")
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_int(cls, v: Any) -> Any:
+        return _plain_number(v, "an integer (lower runs earlier)")
 
     @field_validator("stop")
     @classmethod

@@ -151,11 +151,11 @@ def with_slo_headers(p: Prepared, headers) -> Prepared:
     if not given:
         return p
     body = p.slo or SLO()
-    for field, v in given.items():
-        old = getattr(body, field)
-        if old is not None and abs(old - v) > 1e-9:
-            raise APIError(400, f"the {field} SLO is {old:g} s in the body but {v:g} s in the header; give one",
-                           param=field + "_slo", code="invalid_value")
+    for name, field in SLO_HEADERS.items():
+        old, v = getattr(body, field), given.get(field)
+        if old is not None and v is not None and abs(old - v) > 1e-9:
+            raise APIError(400, f"{field}_slo is {old:g} s in the body but header {name} says {v * 1e3:g} ms; "
+                                "give one", param=field + "_slo", code="invalid_value")
     return dataclasses.replace(p, slo=dataclasses.replace(body, **given))
 
 
