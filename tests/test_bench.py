@@ -337,3 +337,68 @@ def test_save_result_and_json_to_stdout(fake, tmp_path, capsys):
                  "--max-output-len", "2", "--max-input-len", "32", "--endpoint", "completions", "--quiet",
                  "--save-result", "--result-dir", str(tmp_path / "nope")])
     assert code == 1 and "cannot write results" in capsys.readouterr().err
+
+
+# The keys `vllm bench serve` writes for a generation backend (vllm/benchmarks/serve.py:
+# main()'s setup keys, benchmark()'s result dict, process_one_metric for ttft/tpot/itl/e2el at
+# its default percentile 99, and the client-queue statistics it adds under --max-concurrency).
+VLLM_SETUP_KEYS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                   "request_rate", "burstiness", "max_concurrency"}
+VLLM_RESULT_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+                    "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
+                    "generated_texts", "errors", "max_output_tokens_per_s", "max_concurrent_requests", "rtfx"}
+VLLM_STAT_KEYS = {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+VLLM_QUEUE_KEYS = {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99")
+                   for m in ("client_queue_time", "e2el_including_client_queue")}
+
+
+def _mooncake_file(path, rows) -> str:
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": p, "output_length": o,
+                                        "hash_ids": h}) + "\n" for t, p, o, h in rows))
+    return str(path)
+
+
+def test_save_result_has_every_vllm_key_from_a_mooncake_file(fake, tmp_path, capsys):
+    """A Mooncake JSONL file by path (ms timestamps, hash_ids: shared prefix blocks give the same
+    words) replays at its own timestamps, and --save-result carries vLLM's whole key set."""
+    f, url = fake
+    f.ttft, f.itl = 0.01, 0.005
+    trace = _mooncake_file(tmp_path / "mc.jsonl", [(0, 40, 3, [1, 2, 3]), (150, 60, 4, [1, 2, 3, 4]),
+                                                   (300, 20, 2, [9, 10])])
+    code = _cli(["--base-url", url, "--trace", trace, "--endpoint", "completions", "--quiet", "--num-prompts", "3",
+                 "--max-concurrency", "2", "--label", "mc", "--save-result", "--result-dir", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    saved_path, = tmp_path.glob("mc-inf*qps-concurrency2-fake-model-*.json")
+    data = json.loads(saved_path.read_text())
+    missing = (VLLM_SETUP_KEYS | VLLM_RESULT_KEYS | VLLM_STAT_KEYS | VLLM_QUEUE_KEYS) - set(data)
+    assert not missing, sorted(missing)
+    assert data["label"] == "mc" and data["endpoint_type"] == data["backend"] == "openai"
+    assert data["completed"] == 3 and data["output_lens"] == [3, 4, 2] and data["rtfx"] == 0.0
+    assert data["start_times"] == pytest.approx([0.0, 0.15, 0.3], abs=0.05)  # the trace's own clock
+    assert all(len(data[k]) == 3 for k in ("ttfts", "itls", "latencies", "queue_times", "generated_texts"))
+    assert data["latencies"] == pytest.approx([t + sum(g) for t, g in zip(data["ttfts"], data["itls"])], abs=1e-6)
+    assert 1 <= data["max_output_tokens_per_s"] <= 9 and data["errors"] == ["", "", ""]
+    p0, p1, p2 = (b["prompt"].split() for b in f.bodies[-3:])
+    assert p1[:len(p0)] == p0 and p2[0] != p0[0]  # hash block 1 shared, block 9 not
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n')
+    assert _cli(["--trace", str(bad), "--quiet"]) == 2
+    assert "output_length" in capsys.readouterr().err
+
+
+def test_queue_times_measure_the_concurrency_wait(fake):
+    """vLLM's queue_times: due -> sent. One slot and four requests due at once: each waits for
+    the ones before it, and e2el including the wait adds it back."""
+    f, url = fake
+    f.ttft, f.itl = 0.04, 0.0
+    res = run_bench(url, workload([8] * 4, [1] * 4), request_rate=float("inf"), max_concurrency=1,
+                    calibrate_prompts=False)
+    m = res.vllm_metrics()
+    q = m["queue_times"]
+    assert q[0] < 0.03 and all(b > a + 0.02 for a, b in zip(q, q[1:])), q
+    assert m["mean_client_queue_time_ms"] == pytest.approx(np.mean(q) * 1e3)
+    assert "mean_e2el_including_client_queue_ms" not in m  # vLLM skips it for rate inf
+    free = run_bench(url, workload([8] * 2, [1] * 2), request_rate=float("inf"), calibrate_prompts=False)
+    fm = free.vllm_metrics()
+    assert all(t < 0.03 for t in fm["queue_times"]) and "mean_client_queue_time_ms" not in fm

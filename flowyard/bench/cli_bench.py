@@ -81,7 +81,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "to --result-dir/--result-filename")
     o.add_argument("--result-dir", default=".", metavar="DIR", help="with --save-result (default .)")
     o.add_argument("--result-filename", default=None, metavar="NAME",
-                   help="with --save-result (default flowyard-{rate}qps-{model}-{time}.json)")
+                   help="with --save-result (default {label}-{rate}qps-{model}-{time}.json)")
+    o.add_argument("--label", default=None, help="the results' label and file-name prefix (default flowyard)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
     return p
@@ -136,7 +137,8 @@ def _result_filename(args: argparse.Namespace, result: BenchResult) -> str:
     rate = "inf" if args.request_rate in (None, float("inf")) else f"{args.request_rate:g}"
     conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
     model = str(result.model).replace("/", "_")
-    return f"flowyard-{rate}qps{conc}-{model}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+    label = (args.label or "flowyard").replace("/", "_")
+    return f"{label}-{rate}qps{conc}-{model}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -172,6 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _error(str(e), 1)
     except KeyboardInterrupt:
         return 130
+    result.config["label"] = args.label
     out = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(result.summary), file=out)
     print(format_extra(result), file=out)

@@ -30,13 +30,13 @@ import numpy as np
 from flowyard.bench.client import (BenchError, RequestOutput, auth_headers, list_models,
                                    make_client, stream_request)
 from flowyard.bench.loadgen import PromptBuilder, calibrate, endpoint_url, request_body
-from flowyard.core.metrics import EPS, Summary, e2e, meets_slo, summarize, tbt, tpot, ttft
+from flowyard.bench.vllm_result import clean_nan, vllm_result
+from flowyard.core.metrics import EPS, Summary, e2e, meets_slo, summarize
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.workloads import Workload, clip, retime
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 ENDPOINTS = ("chat", "completions")
-METRIC_KEYS = ("ttft", "tpot", "itl", "e2el")
 Progress = Callable[[int, int], None]
 
 
@@ -110,6 +110,7 @@ class BenchResult:
     good: list[bool]
     goodput: dict[str, float] = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    queue_times: list[float] = field(default_factory=list)  # due -> sent (--max-concurrency waits)
 
     @property
     def failed(self) -> int:
@@ -127,63 +128,16 @@ class BenchResult:
         return [(i, o.error) for i, o in enumerate(self.outputs) if o.error]
 
     def vllm_metrics(self) -> dict:
-        """`vllm bench serve` result keys; latencies in ms, per-request lists in seconds."""
-        s, fin = self.summary, [st for st in self.states if st.status is Status.FINISHED]
-        values = {"ttft": [ttft(st) for st in fin], "tpot": [tpot(st) for st in fin],
-                  "itl": np.concatenate([tbt(st) for st in fin]) if fin else np.empty(0),
-                  "e2el": [e2e(st) for st in fin]}
-        stats = {"ttft": s.ttft, "tpot": s.tpot, "itl": s.itl, "e2el": s.e2e}
-        dur = self.duration
-        out: dict = {"duration": dur, "completed": s.completed, "failed": self.failed,
-                     "total_input_tokens": s.input_tokens, "total_output_tokens": s.output_tokens,
-                     "request_throughput": s.completed / dur if dur > 0 else 0.0,
-                     "request_goodput": self.request_goodput,
-                     "output_throughput": s.output_tokens / dur if dur > 0 else 0.0,
-                     "total_token_throughput": (s.input_tokens + s.output_tokens) / dur if dur > 0 else 0.0}
-        for m in METRIC_KEYS:
-            v = np.asarray([x for x in values[m] if x is not None], dtype=float)
-            out[f"mean_{m}_ms"] = stats[m]["mean"] * 1e3
-            out[f"median_{m}_ms"] = stats[m]["p50"] * 1e3
-            out[f"std_{m}_ms"] = float(np.std(v)) * 1e3 if len(v) else math.nan
-            out[f"p90_{m}_ms"] = stats[m]["p90"] * 1e3
-            out[f"p99_{m}_ms"] = stats[m]["p99"] * 1e3
-        ok = [st.status is Status.FINISHED for st in self.states]
-        out["input_lens"] = [st.req.prompt_len for st in self.states]
-        out["output_lens"] = [st.num_output if k else 0 for st, k in zip(self.states, ok)]
-        out["ttfts"] = [ttft(st) if k else 0.0 for st, k in zip(self.states, ok)]
-        out["itls"] = [tbt(st).tolist() if k else [] for st, k in zip(self.states, ok)]
-        out["latencies"] = [e2e(st) if k else 0.0 for st, k in zip(self.states, ok)]
-        out["start_times"] = [st.req.arrival for st in self.states]
-        out["generated_texts"] = [o.text for o in self.outputs]
-        out["errors"] = [o.error for o in self.outputs]
-        out["max_concurrent_requests"] = _peak_concurrency(self.states)
-        return _clean(out)
+        """`vllm bench serve` result keys (see `vllm_result`); latencies in ms, per-request
+        lists in seconds."""
+        return vllm_result(self.summary, self.states, self.outputs, duration=self.duration,
+                           request_goodput=self.request_goodput, queue_times=self.queue_times,
+                           max_concurrency=self.config.get("max_concurrency"),
+                           request_rate=self.config.get("request_rate"))
 
     def to_json(self) -> dict:
         """Flowyard's `--json` keys (Summary.to_dict) + vLLM's keys + the run's config."""
-        return {**self.summary.to_dict(), **self.vllm_metrics(), **_clean(self.config)}
-
-
-def _peak_concurrency(states: Sequence[RequestState]) -> int:
-    """Most successful requests in flight at once, over [send, last token) (vLLM's sweep)."""
-    ev = sorted((t, d) for st in states if st.status is Status.FINISHED
-                for t, d in ((st.req.arrival, 1), (st.finish_time, -1)))
-    cur = peak = 0
-    for _, d in ev:
-        cur += d
-        peak = max(peak, cur)
-    return peak
-
-
-def _clean(x):
-    """NaN → None recursively, so the JSON stays strict (as Summary.to_dict does)."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    return x
+        return {**self.summary.to_dict(), **self.vllm_metrics(), **clean_nan(self.config)}
 
 
 def to_state(req: Request, out: RequestOutput, t0: float, slo: SLO | None) -> RequestState:
@@ -244,10 +198,11 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
         bodies = [request_body(endpoint, model, builder.prompt(r), r.target_output,
                                ignore_eos=ignore_eos) for r in w.requests]
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        done = 0
+        done, due = 0, [0.0] * len(bodies)
 
-        async def one(body: dict) -> RequestOutput:
+        async def one(i: int, body: dict) -> RequestOutput:
             nonlocal done
+            due[i] = time.perf_counter()
             if sem is None:
                 out = await stream_request(client, url, body, headers=headers, timeout=timeout)
             else:
@@ -260,11 +215,11 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
 
         tasks: list[asyncio.Task] = []
         t0 = time.perf_counter()
-        for r, body in zip(w.requests, bodies):
+        for i, (r, body) in enumerate(zip(w.requests, bodies)):
             delay = t0 + r.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(body)))
+            tasks.append(asyncio.create_task(one(i, body)))
         outputs = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
     states = [to_state(r, o, t0, slo) for r, o in zip(w.requests, outputs)]
@@ -275,8 +230,9 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
     if "e2el" in slos:  # the Summary's attainment knows TTFT/TPOT only; add E2EL (vLLM's goodput)
         summary.slo_attainment = sum(good) / len(states)
         summary.token_goodput = sum(st.num_output for st, g in zip(states, good) if g) / duration
-    config = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-              "backend": "openai-chat" if endpoint == "chat" else "openai", "endpoint": endpoint,
+    backend = "openai-chat" if endpoint == "chat" else "openai"
+    config = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": backend,
+              "backend": backend, "label": None, "tokenizer_id": None, "endpoint": endpoint,
               "base_url": base_url, "url": url, "model_id": model, "trace": w.name, "num_prompts": len(w),
               "request_rate": "trace" if request_rate is None else
               ("inf" if math.isinf(request_rate) else request_rate),
@@ -284,7 +240,8 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
               "timeout_s": timeout, "seed": seed,
               "prompt_calibration": {"overhead_tokens": builder.overhead,
                                      "tokens_per_word": builder.slope}}
-    return BenchResult(summary, states, outputs, duration, model, good, slos, config)
+    queued = [max(o.start - d, 0.0) if o.start else 0.0 for o, d in zip(outputs, due)]
+    return BenchResult(summary, states, outputs, duration, model, good, slos, config, queued)
 
 
 def run_bench(base_url: str, workload: Workload, **options: Any) -> BenchResult:
