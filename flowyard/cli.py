@@ -92,9 +92,11 @@ def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
 
 
 def _bar_on(args: argparse.Namespace) -> bool:
-    """Progress bars only for a person watching: not with --quiet, not when stderr is not a
-    terminal, not when the JSON goes to standard output (`--json -`)."""
-    return not getattr(args, "quiet", False) and sys.stderr.isatty() and getattr(args, "json", None) != "-"
+    """Progress bars only for a person watching: not with --quiet, not when the JSON goes to
+    standard output (`--json -`), and only when both stdout and stderr are terminals (a
+    redirected stdout means a script or a log is the reader; the bar itself draws on stderr)."""
+    return (not getattr(args, "quiet", False) and getattr(args, "json", None) != "-"
+            and sys.stdout.isatty() and sys.stderr.isatty())
 
 
 def _human(args: argparse.Namespace):

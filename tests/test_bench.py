@@ -402,3 +402,29 @@ def test_queue_times_measure_the_concurrency_wait(fake):
     free = run_bench(url, workload([8] * 2, [1] * 2), request_rate=float("inf"), calibrate_prompts=False)
     fm = free.vllm_metrics()
     assert all(t < 0.03 for t in fm["queue_times"]) and "mean_client_queue_time_ms" not in fm
+
+
+@pytest.mark.parametrize("out_tty,err_tty,enabled,shown", [
+    (True, True, True, True), (True, True, False, False), (False, True, True, False), (True, False, True, False)])
+def test_bench_progress_only_on_a_terminal(monkeypatch, out_tty, err_tty, enabled, shown):
+    import io
+
+    from flowyard.bench.cli_bench import _progress
+
+    class Tty(io.StringIO):
+        def __init__(self, tty: bool) -> None:
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    err = Tty(err_tty)
+    monkeypatch.setattr("sys.stdout", Tty(out_tty))
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    with _progress(enabled) as bar:
+        assert (bar is not None) == shown
+        if bar is not None:
+            bar(3, 10)
+    assert ("requests" in err.getvalue()) == shown

@@ -87,3 +87,55 @@ def test_json_to_stdout_keeps_stdout_clean(capsys):
                  "--scale-hi", "2", "--tol", "0.5", "--json", "-"]) == 0
     cap = capsys.readouterr()
     assert json.loads(cap.out)["results"][0]["policy"] == "vllm" and "goodput" in cap.err.lower()
+
+
+class _Terminal:
+    """A text stream that says it is a terminal (what rich and `_bar_on` check)."""
+
+    def __init__(self, tty: bool) -> None:
+        import io
+
+        self.buf, self.tty = io.StringIO(), tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def __getattr__(self, name):
+        return getattr(self.buf, name)
+
+
+@pytest.mark.parametrize("out_tty,err_tty,argv,shown", [
+    (True, True, [], True),
+    (True, True, ["--quiet"], False),
+    (True, True, ["--json", "-"], False),
+    (False, True, [], False),  # stdout redirected to a file or a pipe
+    (True, False, [], False),  # stderr redirected
+])
+def test_progress_bar_only_on_a_terminal(monkeypatch, out_tty, err_tty, argv, shown):
+    """Issue 17: bars on simulate (and goodput/reproduce, same switch) for a person at a
+    terminal; off under --quiet, under --json to stdout, and when either stream is redirected."""
+    out, err = _Terminal(out_tty), _Terminal(err_tty)
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    calls = []
+    import flowyard.sim.run as run
+
+    real = run.simulate
+    monkeypatch.setattr(run, "simulate", lambda *a, progress=None, **kw: calls.append(progress) or real(
+        *a, progress=progress, **kw))
+    assert main(["simulate", "--trace", "azure-code", "--duration", "30", "--policy", "vllm", *argv]) == 0
+    assert (calls[0] is not None) == shown
+    assert ("simulating vllm" in err.buf.getvalue()) == shown
+
+
+def test_goodput_and_reproduce_share_the_switch():
+    import argparse
+
+    from flowyard.cli import _bar_on, build_parser
+
+    parser = build_parser()
+    for argv in (["goodput", "--policies", "vllm"], ["reproduce", "pla", "--quick"], ["simulate"]):
+        args = parser.parse_args(argv)
+        assert isinstance(args, argparse.Namespace) and not _bar_on(args)  # pytest's streams are not terminals

@@ -95,7 +95,9 @@ def _error(msg: str, code: int) -> int:
 
 @contextmanager
 def _progress(enabled: bool) -> Iterator[Any]:
-    if not enabled or not sys.stderr.isatty():
+    """A request counter on stderr, as `flowyard simulate`'s: only when both stdout and stderr
+    are terminals (and not --quiet or --json -, which the caller folds into `enabled`)."""
+    if not enabled or not (sys.stdout.isatty() and sys.stderr.isatty()):
         yield None
         return
     from rich.console import Console
