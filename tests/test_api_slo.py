@@ -11,6 +11,7 @@ import pytest
 from helpers_models import tiny_model
 from helpers_server import serving
 from flowyard.cluster.core import DecisionLog
+from flowyard.core.request import SLO
 from flowyard.engine.async_engine import AsyncLLMEngine
 from flowyard.engine.llm_engine import EngineConfig
 from flowyard.engine.sampling import SamplingParams
@@ -80,3 +81,17 @@ def test_serve_rejects_an_unknown_scheduling_policy(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--scheduling-policy", "lottery"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_edf_orders_by_each_requests_own_ttft_slo(tmp_path):
+    """An SLO-aware order reads the per-request SLO the API carried (Request.slo): under edf
+    the request with the nearest arrival + ttft deadline runs first, whatever it was sent as."""
+    engine, _ = cluster(tmp_path, order="edf", seqs=1)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    t = 1000.0
+    for rid, ttft in (("slow", 9.0), ("urgent", 0.2), ("mid", 1.0)):
+        engine.add_request(rid, [5, 6, 7, 8], greedy, slo=SLO(ttft=ttft), arrival=t)
+    first: list[str] = []
+    while engine.has_unfinished():
+        first += [o.request_id for o in engine.step() if o.new_token_ids and o.request_id not in first]
+    assert first == ["urgent", "mid", "slow"]
