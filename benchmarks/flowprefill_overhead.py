@@ -84,7 +84,7 @@ def flowprefill(queue: list[Request], predict: TTFTPredictor) -> FlowPrefillSche
     """A prefill instance with `queue` in Q_w and the shared (warm) predictor."""
     s = FlowPrefillScheduler(0, Role.PREFILL, KVCacheManager(KV_BLOCKS, BLOCK), FlowPrefillConfig(),
                              predict.cost)
-    s.predict = predict
+    s.selector.predict = predict
     for r in queue:
         s.add_request(RequestState(r), r.arrival)
     return s
@@ -122,7 +122,7 @@ def measure(n: int, repeat: int, seed: int, window: float, cost: CostModel) -> d
 
     def arrival_setup() -> Callable[[], object]:
         r = Request(id=next(fresh), arrival=NOW, prompt_len=300, output_len=8, slo=SLO(ttft=0.5))
-        s.waiting.pop(r.id - 1, None)  # the previous round's arrival leaves again
+        s.selector.waiting.pop(r.id - 1, None)  # the previous round's arrival leaves again
         s.add_request(RequestState(r), NOW)
         counting.reset()
         return lambda: s.preempt_check(NOW)
@@ -134,7 +134,7 @@ def measure(n: int, repeat: int, seed: int, window: float, cost: CostModel) -> d
     # completion round: idle pool, schedule() ranks Q_w and submits a batch
     def completion_setup() -> Callable[[], object]:
         sched = flowprefill(queue, predict)
-        sched._best(NOW)  # steady state: earlier rounds (its arrivals') have ranked this queue
+        sched.selector._best(NOW)  # steady state: earlier rounds (its arrivals') have ranked this queue
         counting.reset()
         return lambda: sched.schedule(NOW)
 

@@ -168,7 +168,7 @@ def test_a_parked_task_whose_requests_all_abort_is_dropped():
     assert s.preempt_check(0.1)
     s.suspend(plan, 5, 0.11)
     s.abort(0)
-    assert s.kv.num_held(0) == 0 and s.preempted == []
+    assert s.kv.num_held(0) == 0 and s.selector.preempted == []
 
 
 # -- whole runs -------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_every_request_finishes_and_kv_comes_back(rows, prio, gran, budget, chun
     sched = sim.instances[0].sched
     chunks = sum(math.ceil(r.prompt_len / chunk) - 1 for r in reqs) if chunk else 0
     # event-driven: a round per arrival and per completion (of a prompt or of a chunk) at most
-    assert sched.stats.rounds <= 2 * len(reqs) + chunks + sched.stats.preemptions
+    assert sched.selector.stats.rounds <= 2 * len(reqs) + chunks + sched.selector.stats.preemptions
 
 
 def test_flowprefill_beats_fcfs_distserve_on_mixed_slos():

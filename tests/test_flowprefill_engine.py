@@ -80,7 +80,7 @@ def test_preempted_prefill_resumes_with_identical_tokens(tiny, boundary):
     assert order["short"] < order["long"]  # the short prompt's first token came first
     prefill = cluster.engines[0]
     assert prefill.pool.stats.count == 1 and prefill.pool.num_suspended == 0
-    assert prefill.scheduler.stats.preemptions == 1 and prefill.scheduler.stats.resumes == 1
+    assert prefill.scheduler.selector.stats.preemptions == 1 and prefill.scheduler.selector.stats.resumes == 1
     for e in cluster.engines:
         assert not e.kv.leaked() and not e.has_unfinished()
 

@@ -19,7 +19,8 @@ from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import with_error
 from flowyard.policies import slack
 from flowyard.policies.base import Role
-from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler, Task
+from flowyard.policies.core import LocalCore
+from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler, FlowPrefillSelector, Task
 from flowyard.policies.slack import TTFTPredictor, extended
 
 COST = make_cost_model("llama-3-8b", "a800")
@@ -41,7 +42,7 @@ class ScalarOnly:
 PREDICTORS = {"roofline": COST, "scaled": with_error(COST, 1.37), "scalar-only": ScalarOnly(COST)}
 
 
-class Reference(FlowPrefillScheduler):
+class Reference(FlowPrefillSelector):
     """FlowPrefill's round as first written: a plain dict for Q_w, a key per request per round,
     a full sort for batching and a fresh `BatchShape.of` per probe."""
 
@@ -115,7 +116,7 @@ def drive(cfg, ops, predictor, prefix, thresholds, blocks=700):
     hand-offs keep their KV until a "release", so that admissions also fail for want of KV."""
     kv = (lambda: PrefixCachingKVManager(blocks, 16)) if prefix else (lambda: KVCacheManager(blocks, 16))
     fast = FlowPrefillScheduler(0, Role.PREFILL, kv(), cfg, PREDICTORS[predictor])
-    ref = Reference(0, Role.PREFILL, kv(), cfg, PREDICTORS[predictor])
+    ref = LocalCore(0, Role.PREFILL, kv(), Reference(cfg, PREDICTORS[predictor]), max_num_seqs=cfg.max_num_seqs)
     now, ids, held = 0.0, [], []
     with mock.patch.object(slack, "VECTOR_MIN", thresholds[0]), \
             mock.patch.object(slack, "SCALAR_PROBES", thresholds[1]):
@@ -134,10 +135,10 @@ def drive(cfg, ops, predictor, prefix, thresholds, blocks=700):
                 a, b = fast.abort(victim), ref.abort(victim)
                 assert (a and a.id) == (b and b.id)
                 held = [i for i in held if i != victim]
-            elif op == "complete" and fast.executing is not None:
+            elif op == "complete" and fast.selector.executing is not None:
                 out = StepOutput(end_times=np.array([now]))
-                a = fast.update_from_output(fast.executing.plan, out)
-                b = ref.update_from_output(ref.executing.plan, out)
+                a = fast.update_from_output(fast.selector.executing.plan, out)
+                b = ref.update_from_output(ref.selector.executing.plan, out)
                 assert [s.id for s in a.handoffs] == [s.id for s in b.handoffs]
                 held += [s.id for s in a.handoffs]
             elif op == "release":
@@ -145,18 +146,18 @@ def drive(cfg, ops, predictor, prefix, thresholds, blocks=700):
                     fast.release(i)
                     ref.release(i)
                 held = []
-            if fast.executing is not None:  # an arrival (or a timer) while E runs
+            if fast.selector.executing is not None:  # an arrival (or a timer) while E runs
                 pa, pb = fast.preempt_check(now), ref.preempt_check(now)
                 assert pa == pb
                 if pa:
-                    done = pick % fast.executing.total_ops
-                    fast.suspend(fast.executing.plan, done, now)
-                    ref.suspend(ref.executing.plan, done, now)
-            if fast.executing is None:
+                    done = pick % fast.selector.executing.total_ops
+                    fast.suspend(fast.selector.executing.plan, done, now)
+                    ref.suspend(ref.selector.executing.plan, done, now)
+            if fast.selector.executing is None:
                 assert sig(fast.schedule(now)) == sig(ref.schedule(now))
-            assert sorted(s.id for s in fast.waiting.values()) == sorted(ref.waiting)
+            assert sorted(s.id for s in fast.selector.waiting.values()) == sorted(ref.selector.waiting)
             assert fast.kv.num_free_blocks == ref.kv.num_free_blocks
-    assert fast.stats == ref.stats
+    assert fast.selector.stats == ref.selector.stats
     return fast
 
 
@@ -177,7 +178,7 @@ def test_a_long_queue_goes_through_the_vector_path_with_the_same_plans():
     real = TTFTPredictor.probes
     with mock.patch.object(TTFTPredictor, "probes", autospec=True, side_effect=real) as probes:
         fast = drive(FlowPrefillConfig(), ops, "roofline", False, (24, 4), blocks=20_000)  # KV never binds
-    assert fast.stats.submits >= 60 and probes.call_count > 0 and fast.predict.vectorised
+    assert fast.selector.stats.submits >= 60 and probes.call_count > 0 and fast.selector.predict.vectorised
 
 
 @settings(max_examples=300, deadline=None)
@@ -197,20 +198,21 @@ def test_same_plans_on_random_queues(rows, rnd, prio, budget, thresholds, predic
                    for i, (a, slo, p) in zip(ids, rows)), key=lambda r: r.arrival)
     cfg = FlowPrefillConfig(priority=prio, batch_token_budget=budget)
     fast = FlowPrefillScheduler(0, Role.PREFILL, KVCacheManager(2000, 16), cfg, PREDICTORS[predictor])
-    ref = Reference(0, Role.PREFILL, KVCacheManager(2000, 16), cfg, PREDICTORS[predictor])
+    ref = LocalCore(0, Role.PREFILL, KVCacheManager(2000, 16), Reference(cfg, PREDICTORS[predictor]),
+                   max_num_seqs=cfg.max_num_seqs)
     for r in reqs:
         fast.add_request(RequestState(r), r.arrival)
         ref.add_request(RequestState(r), r.arrival)
     now = 0.5
     with mock.patch.object(slack, "VECTOR_MIN", thresholds[0]), \
             mock.patch.object(slack, "SCALAR_PROBES", thresholds[1]):
-        while fast.waiting:
+        while fast.selector.waiting:
             a, b = fast.schedule(now), ref.schedule(now)
             assert sig(a) == sig(b) and a is not None
-            now += fast.executing.predicted
+            now += fast.selector.executing.predicted
             fast.update_from_output(a, StepOutput(end_times=np.array([now])))
             ref.update_from_output(b, StepOutput(end_times=np.array([now])))
-    assert fast.stats == ref.stats and not ref.waiting
+    assert fast.selector.stats == ref.selector.stats and not ref.selector.waiting
 
 
 @settings(max_examples=200, deadline=None)

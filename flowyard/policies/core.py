@@ -334,17 +334,17 @@ class LocalCore(LocalScheduler):
         st = next((r for r in self.running if r.id == req_id), None)
         if st is not None:
             self.running.remove(st)
+        elif (st := next((r for r in self._migrations if r.id == req_id), None)) is not None:
+            self._migrations.remove(st)
         else:
-            st = next((r for r in self._migrations if r.id == req_id), None)
-            if st is not None:
-                self._migrations.remove(st)
-            else:
-                st = (self._incoming.pop(req_id, None) or self._handed_off.pop(req_id, None)
-                      or self.selector.remove(req_id))
-                if st is None:
-                    return None
+            st = self._incoming.pop(req_id, None) or self._handed_off.pop(req_id, None)
+        if st is not None:
+            self.kv.free(req_id)
+        else:  # queued: the selector frees what it holds (or defers it while a step writes it)
+            st = self.selector.remove(req_id)
+            if st is None:
+                return None
         self._since.pop(req_id, None)
-        self.kv.free(req_id)
         st.status = Status.ABORTED
         return st
 

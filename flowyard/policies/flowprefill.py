@@ -11,8 +11,11 @@ Three pieces, named as in the paper:
   calls `schedule`). It ranks everything by S-EDF priority, batches the winner with SLO-aware
   batching if it is a new request, and keeps E the highest-priority task.
 
-Nothing here reads a clock or knows whether the step runs on a GPU or in the simulator: the
-same object drives both executors.
+The Request Queue and the Execution Pool are a prefill selector of the local scheduler core
+(`core.LocalCore`, role PREFILL): the core admits requests, applies finished steps and hands
+each request off when its prompt is done; `FlowPrefillSelector` decides what runs and when to
+preempt. Nothing here reads a clock or knows whether the step runs on a GPU or in the
+simulator: the same object drives both executors.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import itertools
 from dataclasses import dataclass, field
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import StepOutput, StepPlan
-from flowyard.core.request import RequestState, Status
+from flowyard.core.plan import PrefillSlice, StepPlan
+from flowyard.core.request import RequestState
 from flowyard.costmodel.base import LAYER_OPS, CostModel
-from flowyard.policies.base import InstanceSnapshot, Role, StepResult
-from flowyard.policies.prefill_only import PrefillOnlyScheduler
+from flowyard.policies.base import InstanceSnapshot, Role
+from flowyard.policies.core import LocalCore
+from flowyard.policies.selector import PrefillSelector
 from flowyard.policies.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
 
 GRANULARITY_STRIDE = {"operator": 1, "layer": len(LAYER_OPS), "chunk": 0}
@@ -84,12 +88,10 @@ class FlowPrefillStats:
     batched: list[int] = field(default_factory=list)  # requests per submitted task
 
 
-class FlowPrefillScheduler(PrefillOnlyScheduler):
-    policy_name = "FlowPrefill"
+class FlowPrefillSelector(PrefillSelector):
+    holds_partials = True
 
-    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: FlowPrefillConfig,
-                 predictor: CostModel) -> None:
-        super().__init__(instance, role, kv)
+    def __init__(self, config: FlowPrefillConfig, predictor: CostModel) -> None:
         self.config = config
         self.predict = TTFTPredictor(predictor)
         self._stride = GRANULARITY_STRIDE[config.granularity]
@@ -100,6 +102,16 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
         self._zombies: set[int] = set()  # aborted while inside a task: freed when it ends
         self.stats = FlowPrefillStats()
         self._seq = itertools.count()
+
+    def bind(self, core: LocalCore) -> None:
+        if core.role is not Role.PREFILL:
+            raise ValueError("FlowPrefill schedules prefill instances (PD disaggregation): its "
+                             "operator-level preemption suspends prefill-only steps")
+        super().bind(core)
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.core.kv
 
     # -- priorities ----------------------------------------------------------------------------
     def _key(self, st: RequestState, now: float, ttft_hat: float) -> tuple:
@@ -152,8 +164,11 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
         self.preempted.append(task)
         self.stats.preemptions += 1
 
-    def schedule(self, now: float) -> StepPlan | None:
+    def select(self, plan: StepPlan, now: float) -> StepPlan:
         """Completion or suspension left the pool idle: submit or resume the best task."""
+        return self._round(now) or plan
+
+    def _round(self, now: float) -> StepPlan | None:
         assert self.executing is None, "schedule() while a task runs"
         if self.waiting or self.preempted:  # rounds with something to decide
             self.stats.rounds += 1
@@ -199,7 +214,7 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
         return n if self.config.chunk_size is None else min(n, self.config.chunk_size)
 
     def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        if not super()._admit(st, n, plan):
+        if not self.admit_whole(st, n, plan):
             return False
         del self.waiting[st.id]
         return True
@@ -223,33 +238,28 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
         self.stats.batched.append(len(plan.prefills))
         return Task(plan, head, self._ops, self.predict.step(plan))
 
-    # -- applying results ----------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
+    # -- applying results ------------------------------------------------------------------------
+    def applied(self, plan: StepPlan) -> list[PrefillSlice]:
+        """The task ended (completed its step): its slices, less those aborted meanwhile,
+        whose KV is freed now that the forward pass no longer writes it."""
         task = self.executing
         assert task is not None and task.plan is plan, "update_from_output: not the running task"
         self.executing = None
-        result = StepResult()
+        live = []
         for s in plan.prefills:
-            st = s.state
-            if st.id in self._zombies:
-                self._zombies.discard(st.id)
-                self.kv.free(st.id)
-                continue
-            st.num_computed += s.n
-            self.kv.register(st)
-            if not s.samples:  # a chunk of a longer prompt: back to the queue
-                st.status = Status.WAITING
-                self.waiting[st.id] = st
-                continue
-            self._prefilled(st, out, result)
-        return result
+            if s.state.id in self._zombies:
+                self._zombies.discard(s.state.id)
+                self.kv.free(s.state.id)
+            else:
+                live.append(s)
+        return live
+
+    def chunk_done(self, st: RequestState) -> None:
+        self.waiting[st.id] = st  # a chunk of a longer prompt: back to the queue
 
     # -- queue management ------------------------------------------------------------------------
-    def add_request(self, state: RequestState, now: float) -> bool:
-        if not self._fits(state):
-            return False
-        self.waiting[state.id] = state
-        return True
+    def add(self, st: RequestState, now: float) -> None:
+        self.waiting[st.id] = st
 
     def _in_task(self, req_id: int) -> RequestState | None:
         for task in self._tasks():
@@ -258,19 +268,17 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
                     return s.state
         return None
 
-    def abort(self, req_id: int) -> RequestState | None:
+    def remove(self, req_id: int) -> RequestState | None:
         st = self.waiting.pop(req_id, None)
-        if st is None:
-            st = self._handed_off.pop(req_id, None)
         if st is not None:
             self.kv.free(req_id)
-        else:  # inside a task whose forward pass may still write its KV: free when it ends
-            st = self._in_task(req_id)
-            if st is None or req_id in self._zombies:
-                return None
-            self._zombies.add(req_id)
-            self._drop_dead_tasks()
-        st.status = Status.ABORTED
+            return st
+        # inside a task whose forward pass may still write its KV: free when it ends
+        st = self._in_task(req_id)
+        if st is None or req_id in self._zombies:
+            return None
+        self._zombies.add(req_id)
+        self._drop_dead_tasks()
         return st
 
     def _drop_dead_tasks(self) -> None:
@@ -287,24 +295,27 @@ class FlowPrefillScheduler(PrefillOnlyScheduler):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_running(self) -> int:
+    def held_running(self) -> int:
         return sum(len(t.plan.prefills) for t in self._tasks())
 
     def _tasks(self) -> list[Task]:
         return ([self.executing] if self.executing else []) + self.preempted
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.executing or self._handed_off)
+        return bool(self.waiting or self.preempted or self.executing)
 
-    def snapshot(self) -> InstanceSnapshot:
+    def fill(self, snap: InstanceSnapshot) -> None:
         in_tasks = [s for t in self._tasks() for s in t.plan.prefills]
-        return InstanceSnapshot(
-            instance=self.instance, role=self.role,
-            num_running=len(in_tasks), num_waiting=len(self.waiting),
-            waiting_tokens=sum(r.uncomputed for r in self.waiting.values())
-            + sum(s.n for s in in_tasks),
-            running_tokens=sum(s.state.seq_len for s in in_tasks),
-            kv_free_blocks=self.kv.num_free_blocks, kv_total_blocks=self.kv.num_blocks,
-            block_size=self.kv.block_size,
-        )
+        snap.num_running += len(in_tasks)
+        snap.num_waiting = len(self.waiting)
+        snap.waiting_tokens = sum(r.uncomputed for r in self.waiting.values()) + sum(s.n for s in in_tasks)
+        snap.running_tokens += sum(s.state.seq_len for s in in_tasks)
+
+
+class FlowPrefillScheduler(LocalCore):
+    """FlowPrefill's prefill-instance scheduler: the core (role PREFILL) with its selector."""
+
+    def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: FlowPrefillConfig,
+                 predictor: CostModel, *, max_model_len: int | None = None) -> None:
+        super().__init__(instance, role, kv, FlowPrefillSelector(config, predictor),
+                         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)

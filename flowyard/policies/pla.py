@@ -131,6 +131,8 @@ class PLASelector(PrefillSelector):
             st = next((s for s in self.long if s.id == req_id), None)
             if st is not None:
                 self.long.remove(st)
+        if st is not None:
+            self.core.kv.free(req_id)  # a long prompt between chunks holds KV for all of it
         return st
 
     def _classify_short(self, st: RequestState) -> bool:

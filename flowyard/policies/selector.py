@@ -55,7 +55,8 @@ class PrefillSelector:
         raise NotImplementedError
 
     def remove(self, req_id: int) -> RequestState | None:
-        """Take a request out of the queue (abort); None if it is not queued here."""
+        """Take a request out of the queue (abort) and free the KV it holds; None if it is not
+        queued here."""
         raise NotImplementedError
 
     # -- scheduling --------------------------------------------------------------------------
@@ -177,6 +178,7 @@ class ChunkedSelector(PrefillSelector):
         self._waiting.remove(entry)
         heapq.heapify(self._waiting) if self.order.static else None
         self._waiting_tokens -= entry[3]
+        self.core.kv.free(req_id)
         return entry[2]
 
     @property
