@@ -79,6 +79,8 @@ class _Placement(NamedTuple):
 
 
 class VirtualBatch(PassTimeline):
+    """One instance's pass timeline priced by `cost`: probe and commit segments on it."""
+
     def __init__(self, cost: CostModel, token_budget: int, max_seqs: int, chunk_cap: int) -> None:
         self.cost = cost
         super().__init__(token_budget, max_seqs, chunk_cap)
