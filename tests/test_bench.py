@@ -333,9 +333,14 @@ def test_save_result_and_json_to_stdout(fake, tmp_path, capsys):
     for key in ("ttfts", "itls", "latencies", "input_lens", "output_lens", "generated_texts", "errors"):
         assert len(saved[key]) == 3, key
     assert all(t > 0 for t in saved["ttfts"]) and all(len(i) == n - 1 for i, n in zip(saved["itls"], saved["output_lens"]))
-    code = _cli(["--base-url", url, "--trace", "mooncake-conv", "--num-prompts", "1", "--request-rate", "inf",
-                 "--max-output-len", "2", "--max-input-len", "32", "--endpoint", "completions", "--quiet",
-                 "--save-result", "--result-dir", str(tmp_path / "nope")])
+    argv = ["--base-url", url, "--trace", "mooncake-conv", "--num-prompts", "1", "--request-rate", "inf",
+            "--max-output-len", "2", "--max-input-len", "32", "--endpoint", "completions", "--quiet", "--save-result"]
+    code = _cli([*argv, "--result-dir", str(tmp_path / "new" / "dir"), "--result-filename", "r.json"])
+    assert code == 0 and (tmp_path / "new" / "dir" / "r.json").is_file()  # created, as vLLM does
+    sent = f.count
+    code = _cli([*argv, "--result-dir", str(tmp_path / "run.json")])  # a file: fails before sending
+    assert code == 2 and "cannot create --result-dir" in capsys.readouterr().err and f.count == sent
+    code = _cli([*argv, "--result-dir", str(tmp_path), "--result-filename", "no/r.json"])
     assert code == 1 and "cannot write results" in capsys.readouterr().err
 
 

@@ -79,7 +79,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--save-result", action="store_true",
                    help="as vllm bench serve: write the results JSON (per-request ttfts, itls, latencies, ...) "
                         "to --result-dir/--result-filename")
-    o.add_argument("--result-dir", default=".", metavar="DIR", help="with --save-result (default .)")
+    o.add_argument("--result-dir", default=".", metavar="DIR",
+                   help="with --save-result, created if missing (default .)")
     o.add_argument("--result-filename", default=None, metavar="NAME",
                    help="with --save-result (default {label}-{rate}qps-{model}-{time}.json)")
     o.add_argument("--label", default=None, help="the results' label and file-name prefix (default flowyard)")
@@ -163,6 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         w = cap_lengths(w, args.max_input_len, args.max_output_len)
     except ValueError as e:  # unknown trace, unreadable file, bad values
         return _error(str(e), EXIT_USAGE)
+    if args.save_result:  # as vLLM, create --result-dir; before the run, so a bad one costs nothing
+        try:
+            os.makedirs(args.result_dir, exist_ok=True)
+        except OSError as e:
+            return _error(f"cannot create --result-dir {args.result_dir!r}: {e.strerror or e}", EXIT_USAGE)
     try:
         with _progress(not args.quiet and args.json != "-") as progress:
             result = run_bench(args.base_url, w, endpoint=args.endpoint, model=args.model,
