@@ -124,8 +124,8 @@ def test_controller_moves_an_instance_to_the_pressed_pool():
                                                     pla_controller=cc))
     Simulator(reqs, pol, COST, TOPO).run()
     pools = pol.global_scheduler.pools
-    assert pools.moves and pools.moves[0][2] == "short"  # all traffic is short: the long pool gives
-    assert len(pools.long) == cc.min_pool
+    assert pools.moves and pools.moves[0][3] == "short"  # all traffic is short: the long pool gives
+    assert len(pools.members("long")) == cc.min_pool
 
 
 def test_pla_keeps_up_with_distserve_on_multi_turn_reprefills():

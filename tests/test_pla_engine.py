@@ -83,7 +83,7 @@ def test_spatial_pools_on_real_instances(tiny):
     c = cluster(model, tok, "pla-spatial", n=3, p=2)
     got, first = run_with_late_shorts(c, [(5 * j) % 190 + 3 for j in range(240)], [[7, 8, 9]])
     pools = c.policy.global_scheduler.pools
-    assert pools.short == [0] and pools.long == [1]
+    assert pools.members("short") == [0] and pools.members("long") == [1]
     assert c.engines[0].scheduler.selector.stats.short_requests == 1
     assert c.engines[1].scheduler.selector.stats.long_chunks == 2
 

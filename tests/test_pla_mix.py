@@ -55,7 +55,7 @@ def test_every_request_finishes_where_it_was_prefilled_with_tokens_conserved():
         assert np.all(np.diff(times) > 0) and s.finish_time == times[-1]
     assert decoded_with_prefill > 0  # decodes ride along in prefill steps (mix mode)
     router = pol.global_scheduler
-    assert router.pools.short and router.pools.long  # the pools span the colocated instances
+    assert router.pools.members("short") and router.pools.members("long")  # the pools span the colocated instances
 
 
 def burst():

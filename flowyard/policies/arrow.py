@@ -176,7 +176,7 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         """Every move of an instance between Arrow's four pools (flips and their settling)."""
         if self.pools is None:
             return []
-        return [(t, i, frm.value, to.value) for t, i, frm, to in self.pools.moves]
+        return self.pools.logged()
 
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         pools = self._refresh(view, now)

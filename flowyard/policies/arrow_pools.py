@@ -16,7 +16,7 @@ of the other kind, else in the transitional pool towards it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import InstanceSnapshot
+from flowyard.policies.pools import Pools
 
 
 class Pool(enum.Enum):
@@ -45,55 +46,29 @@ def has_decode_work(s: InstanceSnapshot) -> bool:
     return s.num_decoding > 0 or s.num_migrating_in > 0
 
 
-@dataclass
-class ElasticPools:
-    """Pool membership of every instance and the history of moves (for tests and reports)."""
-
-    of: dict[int, Pool] = field(default_factory=dict)
-    home: dict[int, Pool] = field(default_factory=dict)  # pool in the initial split
-    moves: list[tuple[float, int, Pool, Pool]] = field(default_factory=list)  # (t, inst, from, to)
-    flipped_at: dict[int, float] = field(default_factory=dict)  # last flip (not settle) of each
+class ElasticPools(Pools):
+    """Arrow's rules over the shared pool model (`pools.Pools`): the four pools and their edges."""
 
     @classmethod
-    def split(cls, ids: Sequence[int], num_prefill: int) -> "ElasticPools":
+    def split(cls, ids: Sequence[int], num_prefill: int) -> "ElasticPools":  # type: ignore[override]
         """The initial static split: the first `num_prefill` instances in P, the rest in D."""
         of = {i: (Pool.P if k < num_prefill else Pool.D) for k, i in enumerate(ids)}
         return cls(of, dict(of))
 
-    def members(self, *pools: Pool) -> list[int]:
-        return sorted(i for i, p in self.of.items() if p in pools)
-
-    def _set(self, i: int, to: Pool, now: float) -> None:
-        frm = self.of[i]
-        if frm is not to:
-            self.of[i] = to
-            self.moves.append((now, i, frm, to))
-
-    def _flip(self, i: int, to: Pool, now: float) -> Pool:
-        if self.of[i] is not to:
-            self.flipped_at[i] = now
-        self._set(i, to, now)
-        return to
-
     def flip_to_decode(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
-        return self._flip(i, Pool.P2D if has_prefill_work(snap) else Pool.D, now)
+        return self.move(i, Pool.P2D if has_prefill_work(snap) else Pool.D, now)  # type: ignore[return-value]
 
     def flip_to_prefill(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
-        return self._flip(i, Pool.D2P if has_decode_work(snap) else Pool.P, now)
-
-    def since_flip(self, i: int, now: float) -> float:
-        """Seconds since instance i was last flipped (inf if never); settling does not count."""
-        t = self.flipped_at.get(i)
-        return float("inf") if t is None else now - t
+        return self.move(i, Pool.D2P if has_decode_work(snap) else Pool.P, now)  # type: ignore[return-value]
 
     def settle(self, i: int, snap: InstanceSnapshot, now: float) -> Pool:
         """Leave a transitional pool once the old kind of work has drained (black edges)."""
         p = self.of[i]
         if p is Pool.P2D and not has_prefill_work(snap):
-            self._set(i, Pool.D, now)
+            self.move(i, Pool.D, now, flip=False)
         elif p is Pool.D2P and not has_decode_work(snap):
-            self._set(i, Pool.P, now)
-        return self.of[i]
+            self.move(i, Pool.P, now, flip=False)
+        return self.of[i]  # type: ignore[return-value]
 
 
 def chunked_prefill_time(cost: CostModel, length: int, chunk: int) -> float:

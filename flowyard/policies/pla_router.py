@@ -38,7 +38,7 @@ an idle pool give up an instance first, which is what the surrounding text descr
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import ClusterView, InstanceSnapshot, Role
 from flowyard.policies.pla import is_short
 from flowyard.policies.pla_boundary import LengthModel
+from flowyard.policies.pools import Pools
 from flowyard.policies.routers import DistServeDispatch
 
 
@@ -67,13 +68,6 @@ class ControllerConfig:
             raise ValueError("controller period must be positive; cooldown, hysteresis >= 0; min_pool >= 1")
         if not 0 <= self.short_share <= 1 or not 0 <= self.quantile <= 100:
             raise ValueError("short_share must be in [0, 1] and quantile in [0, 100]")
-
-
-@dataclass
-class Pools:
-    short: list[int] = field(default_factory=list)
-    long: list[int] = field(default_factory=list)
-    moves: list[tuple[float, int, str]] = field(default_factory=list)  # (time, instance, to pool)
 
 
 MAX_SESSIONS = 1 << 17  # sessions whose home the router remembers (least recent forgotten)
@@ -106,21 +100,19 @@ class PLARouter(DistServeDispatch):
 
     def pool_moves(self) -> list[tuple[float, int, str, str]]:
         """The controller's moves between the short and long pools, as flips."""
-        if self.pools is None:
-            return []
-        other = {"short": "long", "long": "short"}
-        return [(t, i, other.get(to, "?"), to) for t, i, to in self.pools.moves]
+        return [] if self.pools is None else self.pools.logged()
 
     def _init_pools(self, view: ClusterView) -> Pools:
         ids = _entry(view)
         n_s = min(len(ids) - 1, max(1, round(len(ids) * self.controller.short_share))) if len(ids) > 1 else 0
-        self.pools = Pools(short=ids[:n_s], long=ids[n_s:])
+        self.pools = Pools.split(ids, [("short", n_s), ("long", len(ids) - n_s)])
         return self.pools
 
     def _pool(self, short: bool, view: ClusterView) -> list[int]:
         pools = self.pools or self._init_pools(view)
-        if self.spatial and pools.short and pools.long:
-            return pools.short if short else pools.long
+        members = pools.members("short" if short else "long")
+        if self.spatial and members and pools.members("long" if short else "short"):
+            return members
         return _entry(view)
 
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
@@ -178,26 +170,21 @@ class PLARouter(DistServeDispatch):
         pools = self.pools or self._init_pools(view)
         dt = now - self._last_tick if self._last_tick is not None else self.controller.period
         self._last_tick = now
-        psi = {i: self._pressure(view.snapshot(i), dt) for i in pools.short + pools.long}
-        if not pools.short or not pools.long:
+        short, long_ = pools.members("short"), pools.members("long")
+        psi = {i: self._pressure(view.snapshot(i), dt) for i in short + long_}
+        if not short or not long_:
             return
         c = self.controller
-        p_s = float(np.percentile([psi[i] for i in pools.short], c.quantile))
-        p_l = float(np.percentile([psi[i] for i in pools.long], c.quantile))
+        p_s = float(np.percentile([psi[i] for i in short], c.quantile))
+        p_l = float(np.percentile([psi[i] for i in long_], c.quantile))
         if now - self._last_move < c.cooldown:
             return
-        if _exceeds(p_s, p_l, c.hysteresis) and len(pools.long) > c.min_pool:
-            self._move(pools.long, pools.short, min(pools.long, key=lambda i: psi[i]), now, "short")
-        elif _exceeds(p_l, p_s, c.hysteresis) and len(pools.short) > c.min_pool:
-            self._move(pools.short, pools.long, min(pools.short, key=lambda i: psi[i]), now, "long")
-
-    def _move(self, src: list[int], dst: list[int], inst: int, now: float, to: str) -> None:
-        src.remove(inst)
-        dst.append(inst)
-        dst.sort()
-        self._last_move = now
-        assert self.pools is not None
-        self.pools.moves.append((now, inst, to))
+        if _exceeds(p_s, p_l, c.hysteresis) and len(long_) > c.min_pool:
+            pools.move(min(long_, key=lambda i: psi[i]), "short", now)
+            self._last_move = now
+        elif _exceeds(p_l, p_s, c.hysteresis) and len(short) > c.min_pool:
+            pools.move(min(short, key=lambda i: psi[i]), "long", now)
+            self._last_move = now
 
     def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
         return super().route_decode(state, src, view, now)
