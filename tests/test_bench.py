@@ -158,8 +158,9 @@ def test_measured_ttft_itl_match_server_delays(fake):
     assert res.model == "fake-model" and m["completed"] == 4 and m["failed"] == 0
     assert m["input_lens"] == [20, 50, 100, 30]  # calibrated prompts hit the server's count
     assert m["output_lens"] == [5] * 4 and m["total_output_tokens"] == 20
-    # client and server share one process (and GIL): allow tens of ms of HTTP overhead
-    assert all(0.06 <= t < 0.06 + 0.08 for t in m["ttfts"])
+    # client and server share one process (and GIL): allow HTTP overhead, and on a shared
+    # 2-core machine under load ~100 ms of scheduling delay (seen: 157 ms for a 60 ms TTFT)
+    assert all(0.06 <= t < 0.06 + 0.2 for t in m["ttfts"]), m["ttfts"]
     itls = np.concatenate(m["itls"])
     assert len(itls) == 16 and 0.02 <= itls.mean() < 0.025 + 0.015
     assert 20 <= m["mean_tpot_ms"] < 40 and 160 <= m["median_e2el_ms"] < 160 + 100
