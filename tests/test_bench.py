@@ -162,8 +162,8 @@ def test_measured_ttft_itl_match_server_delays(fake):
     # 2-core machine under load ~100 ms of scheduling delay (seen: 157 ms for a 60 ms TTFT)
     assert all(0.06 <= t < 0.06 + 0.2 for t in m["ttfts"]), m["ttfts"]
     itls = np.concatenate(m["itls"])
-    assert len(itls) == 16 and 0.02 <= itls.mean() < 0.025 + 0.015
-    assert 20 <= m["mean_tpot_ms"] < 40 and 160 <= m["median_e2el_ms"] < 160 + 100
+    assert len(itls) == 16 and 0.02 <= itls.mean() < 0.025 + 0.03
+    assert 20 <= m["mean_tpot_ms"] < 55 and 160 <= m["median_e2el_ms"] < 160 + 200, m
     assert m["mean_ttft_ms"] == pytest.approx(np.mean(m["ttfts"]) * 1e3)
     body = f.bodies[-1]  # lengths are forced the way vLLM/SGLang honour them
     assert body["max_tokens"] == body["min_tokens"] == 5 and body["ignore_eos"] is True
