@@ -97,7 +97,7 @@ def run_burst(paper_only: bool):
     pol = build_policy("arrow", PolicyOptions(num_instances=4, predictor=cost))
     gs = pol.global_scheduler
     if paper_only:  # the monitor of §5.5 alone (flips towards decode only, no cool-down)
-        gs.cfg = dataclasses.replace(gs.cfg, unstrand=False, flip_cooldown=0.0)
+        gs.dispatcher.cfg = dataclasses.replace(gs.dispatcher.cfg, unstrand=False, flip_cooldown=0.0)
     res = Simulator(burst_then_silence(), pol, cost, Topology(1, FixedLink(), FixedLink())).run()
     assert all(s.num_output == s.req.output_len for s in res.states)  # every request completes
     ttft = [s.first_token_time - s.req.arrival for s in res.states]

@@ -291,20 +291,20 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
     pol = build_policy("dynaserve-oracle", PolicyOptions(num_instances=2, predictor=LinearCost(),
                                                          dynaserve=DynaServeConfig(chunk_cap=16, min_segment=1)))
     gs = pol.global_scheduler
-    chosen = gs._chosen
+    chosen = gs.splitter._chosen
 
     def force(d, P, D):  # the test hook: split where the parametrisation says
         d.s = P + offset
         return chosen(d, P, D)
 
-    gs._chosen = force
+    gs.splitter._chosen = force
     c = LocalCluster(model, tok, pol, EngineConfig(kv_cache_tokens=1024))
     c.add_request("r", prompt, params)
     got = []
     while c.has_unfinished():
         for o in c.step():
             got += o.new_token_ids
-    assert gs.last.split == (60 + offset, 1)
+    assert gs.splitter.last.split == (60 + offset, 1)
     assert got == ref and c.migrations == 1
     assert not any(e.kv.leaked() for e in c.engines)
     assert len(c.engines[0].scheduler.selector.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens

@@ -42,7 +42,7 @@ def turn(i, session, t, prompt, history=0):
 def spatial_router(tolerance=0.05):
     pol = build_policy("pla-spatial", PolicyOptions(num_instances=6, num_prefill=4, predictor=COST,
                                                     pla=PLAConfig(affinity_tolerance=tolerance)))
-    return pol.global_scheduler  # pools: short [0, 1], long [2, 3]
+    return pol.global_scheduler.dispatcher  # the PLA parts; pools: short [0, 1], long [2, 3]
 
 
 FIRST = turn(0, "a", 0, 3000)  # long: the long pool
@@ -103,7 +103,7 @@ def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
     on, c_on, router = replay(policy, reqs, 0.05)
     off, c_off, _ = replay(policy, reqs, None)
     later = [s.id for s in on if s.req.turn > 0]
-    assert len(later) > 80 and router.sent_home >= 0.9 * len(later)
+    assert len(later) > 80 and router.dispatcher.sent_home >= 0.9 * len(later)
     tokens_on, tokens_off = sum(c_on[i] for i in later), sum(c_off[i] for i in later)
     assert tokens_on < 0.7 * tokens_off  # the history is not computed again
     ttft = {k: np.mean([s.first_token_time - s.req.arrival for s in states if s.req.turn > 0])

@@ -69,7 +69,7 @@ def test_every_policy_on_ray_gives_one_engines_tokens(name, tiny, ray_session):
     try:
         assert run(cluster, PROMPTS) == ref
         if name == "dynaserve":  # the driver's length predictor learnt from the actors' requests
-            lengths, n = policy.global_scheduler.lengths, len(PROMPTS)
+            lengths, n = policy.global_scheduler.splitter.lengths, len(PROMPTS)
             w, prior = lengths.prior_weight, lengths.prior_mean
             assert lengths.estimate(None) == pytest.approx((w * prior + n * GREEDY.max_tokens) / (w + n))
         kinds = log.kinds()

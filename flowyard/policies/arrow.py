@@ -76,7 +76,11 @@ class ArrowConfig:
 
 
 class ArrowRouter(InstanceMonitor, GlobalScheduler):
+    """Arrow's dispatcher (Alg. 1), decode router (Alg. 2) and monitor (controller) in one
+    object, because all three read and flip the same pools; `arrow_policy` composes it."""
+
     routes_decode = True
+    routes_mixed = True  # as a decode-router part: asked for MIXED prefills too
 
     def __init__(self, predictor: CostModel, config: ArrowConfig | None = None, name: str = "arrow") -> None:
         self.cfg = c = config or ArrowConfig()

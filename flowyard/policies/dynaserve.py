@@ -120,6 +120,14 @@ class DynaServeRouter(GlobalScheduler):
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
         return self.dispatch(req, view, now)[0]
 
+    def split(self, req: Request, dst: int, view: ClusterView, now: float) -> tuple[int | None, tuple[int, int] | None]:
+        """As a splitter part (`compose.Composed`): a dispatcher chose A = dst (round robin in
+        the paper); B is the instance after it, and Alg. 1 decides the start and the split."""
+        ids = list(view.instances(Role.MIXED)) or list(view.instances())
+        b = ids[(ids.index(dst) + 1) % len(ids)]
+        d = self.decide(req, dst, b, view, now)
+        return d.first, d.split
+
     # -- Alg. 1 -------------------------------------------------------------------------------
     def segments(self, P: int, D: int, s: int, now: float) -> tuple[Segment | None, Segment | None]:
         """(α on A, β on B) for split point s over N = P + D (β.ready set later)."""

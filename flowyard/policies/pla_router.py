@@ -42,13 +42,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from flowyard.core.request import Request, RequestState
+from flowyard.core.request import Request
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import ClusterView, InstanceSnapshot, Role
 from flowyard.policies.pla import is_short
 from flowyard.policies.pla_boundary import LengthModel
 from flowyard.policies.pools import Pools
-from flowyard.policies.routers import DistServeDispatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +77,9 @@ def _entry(view: ClusterView) -> list[int]:
     return list(view.instances(Role.PREFILL)) or list(view.instances(Role.MIXED))
 
 
-class PLARouter(DistServeDispatch):
-    name = "pla"
+class PLARouter:
+    """PLA-Serve's global parts over one pool model: the dispatcher (class pools, session
+    affinity) and, with spatial pools, the pressure controller (`tick`, every `period`)."""
 
     def __init__(self, lengths: LengthModel, predictor: CostModel,
                  controller: ControllerConfig | None = None, spatial: bool = True,
@@ -97,10 +97,6 @@ class PLARouter(DistServeDispatch):
         self._last: dict[int, tuple[float, int, int]] = {}  # instance -> (busy_s, late, done)
         self._last_move = float("-inf")
         self._last_tick: float | None = None
-
-    def pool_moves(self) -> list[tuple[float, int, str, str]]:
-        """The controller's moves between the short and long pools, as flips."""
-        return [] if self.pools is None else self.pools.logged()
 
     def _init_pools(self, view: ClusterView) -> Pools:
         ids = _entry(view)
@@ -185,9 +181,6 @@ class PLARouter(DistServeDispatch):
         elif _exceeds(p_l, p_s, c.hysteresis) and len(short) > c.min_pool:
             pools.move(min(short, key=lambda i: psi[i]), "long", now)
             self._last_move = now
-
-    def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
-        return super().route_decode(state, src, view, now)
 
 
 def _exceeds(a: float, b: float, tau: float) -> bool:

@@ -1,4 +1,8 @@
-"""Policy names (as `--policy` takes them) and how each assembles its schedulers."""
+"""Policy names (as `--policy` takes them) and how each assembles its schedulers from parts:
+a local scheduler per instance (`core.LocalCore` with a prefill selector and a role) and one
+global scheduler (`compose.Composed`: dispatcher, splitter, decode router, controllers, pools).
+`POLICY_SPECS` declares what each policy needs, so callers (`flowyard serve`) derive their
+behaviour from it instead of keeping lists of names."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
+from flowyard.policies.compose import Composed, MostFreeKVDecode, RoundRobinDispatch
 from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
 from flowyard.policies.dynaserve_local import dynaserve_scheduler
 from flowyard.policies.dynaserve_predict import make_length_predictor
@@ -70,10 +75,8 @@ class Policy:
             cfg = dataclasses.replace(cfg, max_repeats=1)
         if role not in self.schedulers:
             return BatchScheduler(instance, role, kv, cfg)
-        sched = self.schedulers[role](instance, role, kv, cfg)
-        if max_model_len is not None:  # the engine's context limit binds every scheduler
-            sched.max_model_len = min(getattr(sched, "max_model_len", max_model_len), max_model_len)  # type: ignore[attr-defined]
-        return sched
+        # every factory builds its scheduler from cfg's context limit and step promise
+        return self.schedulers[role](instance, role, kv, cfg)
 
 
 def _colocated(router: Callable[[], GlobalScheduler]) -> Callable[[str, PolicyOptions], Policy]:
@@ -146,8 +149,10 @@ def _pla(name: str, o: PolicyOptions) -> Policy:
     cfg = o.pla or PLAConfig(max_num_seqs=o.max_num_seqs)
     predictor = o.predictor
     lengths = length_model_of(predictor)
-    router = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary,
-                       affinity=cfg.affinity_tolerance)
+    parts = PLARouter(lengths, predictor, o.pla_controller, spatial=cfg.spatial, boundary=cfg.boundary,
+                      affinity=cfg.affinity_tolerance)
+    router = Composed("pla", parts, decode_router=None if mix else MostFreeKVDecode(),
+                      controllers=[parts] if cfg.spatial else [])
     def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
         return pla_scheduler(instance, role, kv, cfg, predictor, lengths, max_model_len=batch.max_model_len,
                              max_repeats=batch.max_repeats)
@@ -175,7 +180,9 @@ def _arrow(mode: str) -> Callable[[str, PolicyOptions], Policy]:
         chunk = o.chunk_size or 2048
         cfg = ArrowConfig(mode=mode, num_prefill=min(p, n), chunk_size=chunk, max_num_seqs=o.max_num_seqs)
         local = BatchConfig(max_num_batched_tokens=chunk, max_num_seqs=o.max_num_seqs)
-        return Policy(name, ArrowRouter(o.predictor, cfg, name), [Role.MIXED] * n, {Role.MIXED: local})
+        arrow = ArrowRouter(o.predictor, cfg, name)  # dispatch, decode routing and monitor share pools
+        gs = Composed(name, arrow, decode_router=arrow, controllers=[arrow] if arrow.period is not None else [])
+        return Policy(name, gs, [Role.MIXED] * n, {Role.MIXED: local})
 
     return build
 
@@ -196,8 +203,8 @@ def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
                                         sigma=cfg.length_sigma, prior_mean=cfg.length_prior)
         predictor, local_cfg = o.predictor, cfg.local()
         batch = BatchConfig(max_num_batched_tokens=cfg.chunk_cap, max_num_seqs=cfg.max_num_seqs)
-        policy = Policy(name, DynaServeRouter(predictor, lengths, cfg), [Role.MIXED] * o.num_instances,
-                        {Role.MIXED: batch})
+        gs = Composed("dynaserve", RoundRobinDispatch(), splitter=DynaServeRouter(predictor, lengths, cfg))
+        policy = Policy(name, gs, [Role.MIXED] * o.num_instances, {Role.MIXED: batch})
 
         def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
             # `batch` is policy.configs[role] when built (a caller's override applies) with the
@@ -211,44 +218,53 @@ def _dynaserve(oracle: bool) -> Callable[[str, PolicyOptions], Policy]:
     return build
 
 
-_BUILDERS: dict[str, Callable[[str, PolicyOptions], Policy]] = {
-    "vllm": _colocated(VllmDataParallel),
-    "round-robin": _colocated(RoundRobin),
-    "least-load": _colocated(LeastLoad),
-    "distserve": _distserve(None, "fcfs"),
-    "distserve-cp2k": _distserve(2048, "edf"),
-    "distserve-cp8k": _distserve(8192, "edf"),
-    "flowprefill": _flowprefill,
-    "pla": _pla,
-    "pla-spatial": _pla_spatial,
-    "pla-mix": _pla_spatial,
-    "arrow": _arrow("slo"),
-    "arrow-minload": _arrow("minload"),
-    "arrow-rr": _arrow("rr"),
-    "dynaserve": _dynaserve(False),
-    "dynaserve-oracle": _dynaserve(True),
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """What a policy is built from and what it needs: `needs_predictor` (a cost model or a
+    profile of the engine for step or TTFT times: its builder refuses to assemble without
+    one) and `disaggregated` (PREFILL and DECODE instances; else all MIXED)."""
+
+    build: Callable[[str, PolicyOptions], Policy]
+    needs_predictor: bool = False
+    disaggregated: bool = False
+
+
+POLICY_SPECS: dict[str, PolicySpec] = {
+    "vllm": PolicySpec(_colocated(VllmDataParallel)),
+    "round-robin": PolicySpec(_colocated(RoundRobin)),
+    "least-load": PolicySpec(_colocated(LeastLoad)),
+    "distserve": PolicySpec(_distserve(None, "fcfs"), disaggregated=True),
+    "distserve-cp2k": PolicySpec(_distserve(2048, "edf"), disaggregated=True),
+    "distserve-cp8k": PolicySpec(_distserve(8192, "edf"), disaggregated=True),
+    "flowprefill": PolicySpec(_flowprefill, needs_predictor=True, disaggregated=True),
+    "pla": PolicySpec(_pla, needs_predictor=True, disaggregated=True),
+    "pla-spatial": PolicySpec(_pla_spatial, needs_predictor=True, disaggregated=True),
+    "pla-mix": PolicySpec(_pla_spatial, needs_predictor=True),
+    "arrow": PolicySpec(_arrow("slo"), needs_predictor=True),
+    "arrow-minload": PolicySpec(_arrow("minload"), needs_predictor=True),
+    "arrow-rr": PolicySpec(_arrow("rr"), needs_predictor=True),
+    "dynaserve": PolicySpec(_dynaserve(False), needs_predictor=True),
+    "dynaserve-oracle": PolicySpec(_dynaserve(True), needs_predictor=True),
 }
 
-POLICY_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+POLICY_NAMES: tuple[str, ...] = tuple(POLICY_SPECS)
+
+
+def policy_spec(name: str) -> PolicySpec:
+    key = name.lower()
+    if key not in POLICY_SPECS:
+        raise UnknownPolicyError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")
+    return POLICY_SPECS[key]
 
 
 def build_policy(name: str, options: PolicyOptions | None = None) -> Policy:
-    key = name.lower()
-    if key not in _BUILDERS:
-        raise UnknownPolicyError(
-            f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}"
-        )
-    return _BUILDERS[key](key, options or PolicyOptions())
+    spec, o = policy_spec(name), options or PolicyOptions()
+    if spec.needs_predictor and o.predictor is None:
+        raise ValueError(f"{name.lower()} needs a predictor (PolicyOptions.predictor: a cost model or a "
+                         "profile of the engine) for its step or TTFT times")
+    return spec.build(name.lower(), o)
 
 
 def policy_requires_predictor(name: str) -> bool:
-    """Whether policy `name` predicts step or TTFT times: its builder refuses to assemble it
-    without `PolicyOptions.predictor` (so this follows the builders, never a list kept apart)."""
-    key = name.lower()
-    if key not in _BUILDERS:
-        raise UnknownPolicyError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")
-    try:
-        _BUILDERS[key](key, PolicyOptions(num_instances=4, num_prefill=2))
-    except ValueError as e:
-        return "predictor" in str(e)
-    return False
+    """Whether policy `name` predicts step or TTFT times (declared in `POLICY_SPECS`)."""
+    return policy_spec(name).needs_predictor
