@@ -20,17 +20,13 @@ out, and the instance monitor behind snapshots (token interval, busy time, TTFT 
 
 from __future__ import annotations
 
-import numpy as np
-
 from flowyard.core.kvcache import KVCacheManager, cdiv
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
 from flowyard.policies.decode_run import reserve_run
+from flowyard.policies.monitor import StepMonitor
 from flowyard.policies.selector import PrefillSelector
-from flowyard.policies.slack import deadline
-
-TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
 
 
 class LocalCore(LocalScheduler):
@@ -55,13 +51,7 @@ class LocalCore(LocalScheduler):
         self.preempted = 0  # recompute preemptions so far
         self.recomputed = 0  # migrations taken without their KV (patience ran out)
         self._run: StepPlan | None = None  # decode run in flight with KV reserved ahead
-        # Instance monitor: EWMA of the time between consecutive steps that decode, busy time,
-        # TTFT SLO outcomes of the first tokens produced here
-        self._plan_start: float | None = None  # `now` of the last schedule() that made a plan
-        self._decode_end: float | None = None  # end of the last step that decoded, None after a gap
-        self._token_interval: float | None = None
-        self.busy_s = 0.0
-        self.slo_done = self.slo_late = 0
+        self.monitor = StepMonitor()  # busy time, token interval, TTFT SLO outcomes
         selector.bind(self)
 
     # -- requests ------------------------------------------------------------------------------
@@ -124,10 +114,10 @@ class LocalCore(LocalScheduler):
                     plan.decodes.append(st)
         plan = self.selector.select(plan, now)
         if plan.empty:
-            self._decode_end = None  # idle: the next decode's interval starts at its plan
+            self.monitor.idle()
             self.selector.idle()
             return None
-        self._plan_start = now
+        self.monitor.planned(now)
         if not plan.prefills and self.selector.allows_run() and not self._migration_fits():
             plan.max_repeats = reserve_run(self.kv, plan.decodes, self.max_repeats, self.max_model_len)
             self._run = plan if plan.max_repeats > 1 else None
@@ -163,37 +153,6 @@ class LocalCore(LocalScheduler):
         self.selector.suspend(plan, ops_done, now)
 
     # -- applying results ----------------------------------------------------------------------
-    def _monitor(self, plan: StepPlan, times) -> None:
-        """Busy time, and the token intervals of these steps folded into the EWMA. An interval
-        is the time from the previous decoding step's end (or from this plan's start, when the
-        step before did not decode) to this step's end: what a decoding user waits per token."""
-        if not len(times):
-            self._decode_end = None
-            return
-        end = float(times[-1])
-        if self._plan_start is not None:
-            self.busy_s += end - self._plan_start
-        if not plan.decodes:
-            self._decode_end = None
-            self._plan_start = end
-            return
-        prev = self._decode_end if self._decode_end is not None else self._plan_start
-        if prev is None:
-            prev = float(times[0])  # a plan made elsewhere: no start to measure from
-        a = TOKEN_INTERVAL_ALPHA
-        if len(times) == 1:
-            x = float(times[0]) - prev
-            e = self._token_interval
-            self._token_interval = x if e is None else (1 - a) * e + a * x
-        else:
-            xs = np.diff(np.concatenate(([prev], np.asarray(times, dtype=float))))
-            k = len(xs)
-            e = self._token_interval if self._token_interval is not None else float(xs[0])
-            w = a * (1 - a) ** np.arange(k - 1, -1, -1)
-            self._token_interval = float((1 - a) ** k * e + w @ xs)
-        self._decode_end = end
-        self._plan_start = end
-
     def advance(self, plan: StepPlan, out: StepOutput) -> None:
         """Apply the first out.steps steps of a decode run that goes on (the run was cut into
         pieces so a snapshot reflects the steps already done)."""
@@ -201,7 +160,7 @@ class LocalCore(LocalScheduler):
         for d in plan.decodes:
             d.num_computed += out.steps
             d.record_tokens(out.end_times)
-        self._monitor(plan, out.end_times)
+        self.monitor.steps(plan, out.end_times)
         plan.max_repeats -= out.steps
 
     def update_from_output(self, plan: StepPlan, out: StepOutput) -> StepResult:
@@ -209,7 +168,7 @@ class LocalCore(LocalScheduler):
         self._run = None
         steps, times, sampled = out.steps, out.end_times, out.sampled
         result = StepResult(preempted=self.last_preempted)
-        self._monitor(plan, times)
+        self.monitor.steps(plan, times)
         touched: list[RequestState] = []
         done_here: set[int] = set()  # queue-held prompts that finished here (not yet running)
         for d in plan.decodes:
@@ -230,9 +189,7 @@ class LocalCore(LocalScheduler):
                 st.record_tokens(times[:1])
                 if sampled is not None:
                     st.output_tokens.extend(sampled.get(st.id, ()))
-                if st.req.slo.ttft is not None and st.num_output == 1:  # not a recompute
-                    self.slo_done += 1
-                    self.slo_late += st.first_token_time > deadline(st.req)
+                self.monitor.first_token(st)
                 touched.append(st)
                 if held:
                     done_here.add(st.id)
@@ -363,6 +320,7 @@ class LocalCore(LocalScheduler):
 
     def snapshot(self) -> InstanceSnapshot:
         partial = sum(1 for r in self.running if r.in_prefill)
+        m = self.monitor
         snap = InstanceSnapshot(
             instance=self.instance, role=self.role, num_running=len(self.running), num_waiting=0,
             waiting_tokens=0, running_tokens=sum(r.seq_len for r in self.running),
@@ -371,8 +329,8 @@ class LocalCore(LocalScheduler):
             num_migrating_in=len(self._migrations) + len(self._incoming),
             incoming_tokens=sum(r.seq_len for r in self._migrations)
             + sum(r.seq_len for r in self._incoming.values()),
-            num_decoding=len(self.running) - partial, token_interval=self._token_interval or 0.0,
-            busy_s=self.busy_s, slo_done=self.slo_done, slo_late=self.slo_late,
+            num_decoding=len(self.running) - partial, token_interval=m.token_interval or 0.0,
+            busy_s=m.busy_s, slo_done=m.slo_done, slo_late=m.slo_late,
         )
         self.selector.fill(snap)
         return snap

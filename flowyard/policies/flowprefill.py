@@ -316,6 +316,6 @@ class FlowPrefillScheduler(LocalCore):
     """FlowPrefill's prefill-instance scheduler: the core (role PREFILL) with its selector."""
 
     def __init__(self, instance: int, role: Role, kv: KVCacheManager, config: FlowPrefillConfig,
-                 predictor: CostModel, *, max_model_len: int | None = None) -> None:
+                 predictor: CostModel, *, max_model_len: int | None = None, max_repeats: int = 512) -> None:
         super().__init__(instance, role, kv, FlowPrefillSelector(config, predictor),
-                         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+                         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, max_repeats=max_repeats)

@@ -123,7 +123,8 @@ def _flowprefill(name: str, o: PolicyOptions) -> Policy:
     predictor = o.predictor
 
     def prefill(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
-        return FlowPrefillScheduler(instance, role, kv, fp, predictor, max_model_len=batch.max_model_len)
+        return FlowPrefillScheduler(instance, role, kv, fp, predictor, max_model_len=batch.max_model_len,
+                                    max_repeats=batch.max_repeats)
 
     decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
     return Policy(name, RoundRobinPD(), roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
