@@ -25,6 +25,7 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
 from flowyard.policies.decode_run import reserve_run
+from flowyard.policies.migrations import Migrations
 from flowyard.policies.monitor import StepMonitor
 from flowyard.policies.selector import PrefillSelector
 
@@ -41,15 +42,11 @@ class LocalCore(LocalScheduler):
         limit = kv.capacity_tokens
         self.max_model_len = min(limit, max_model_len or limit)
         self.max_repeats = max_repeats
-        self.migration_patience_s = migration_patience_s
         self.running: list[RequestState] = []  # admission order: decodes and started prompts
-        self._migrations: list[RequestState] = []  # want to come here, no KV reserved yet
-        self._since: dict[int, float] = {}  # migration id -> when it asked to come here
-        self._incoming: dict[int, RequestState] = {}  # KV reserved, transfer in flight
+        self.migrations = Migrations(kv, max_num_seqs, migration_patience_s)
         self._handed_off: dict[int, RequestState] = {}  # prefill done, KV held until release
         self.last_preempted: list[RequestState] = []
         self.preempted = 0  # recompute preemptions so far
-        self.recomputed = 0  # migrations taken without their KV (patience ran out)
         self._run: StepPlan | None = None  # decode run in flight with KV reserved ahead
         self.monitor = StepMonitor()  # busy time, token interval, TTFT SLO outcomes
         selector.bind(self)
@@ -118,24 +115,11 @@ class LocalCore(LocalScheduler):
             self.selector.idle()
             return None
         self.monitor.planned(now)
-        if not plan.prefills and self.selector.allows_run() and not self._migration_fits():
+        if not plan.prefills and self.selector.allows_run() and not self.migrations.fits(len(self.running)):
             plan.max_repeats = reserve_run(self.kv, plan.decodes, self.max_repeats, self.max_model_len)
             self._run = plan if plan.max_repeats > 1 else None
         self.selector.planned(plan, now)
         return plan
-
-    def _migration_fits(self) -> bool:
-        """Whether a pending migration could be admitted at the end of the next step; if so the
-        scheduler must get control back then, so no multi-step run is promised. With patience,
-        any waiting migration counts: its patience is measured in steps as they end."""
-        if not self._migrations:
-            return False
-        if self.migration_patience_s is not None:
-            return True
-        head = self._migrations[0]
-        if len(self.running) + len(self._incoming) >= self.max_num_seqs:
-            return False
-        return self.kv.blocks_needed(head.id, head.num_computed + 1) <= self.kv.num_free_blocks
 
     def shorten(self, plan: StepPlan, steps: int) -> None:
         """The executor will run only `steps` of a decode run: free the KV reserved beyond."""
@@ -229,47 +213,20 @@ class LocalCore(LocalScheduler):
     def add_migration(self, state: RequestState, now: float) -> None:
         if self.role is Role.PREFILL:
             raise ValueError(f"prefill instance {self.instance} does not take migrations")
-        state.status = Status.MIGRATING
-        self._migrations.append(state)
-        if self.migration_patience_s is not None:
-            self._since[state.id] = now
+        self.migrations.add(state, now)
 
     def admit_migrations(self, now: float) -> list[RequestState]:
-        """Migrations for which KV is reserved now, in arrival order. With patience (DynaServe):
-        micro-requests migrate both ways between the instances of a pair, and a handed-off
-        request keeps its KV at the source until the destination admits it, so two full
-        instances can wait on each other forever; a migration that has waited
-        `migration_patience_s` for KV here is admitted without its KV and recomputed here (as
-        after a recompute preemption), so its source frees its KV."""
-        admitted = []
-        while self._migrations and len(self.running) + len(self._incoming) < self.max_num_seqs:
-            st = self._migrations[0]
-            if not self.kv.allocate(st.id, st.num_computed + 1):
-                break
-            self._migrations.pop(0)
-            self._incoming[st.id] = st
-            admitted.append(st)
-        patience = self.migration_patience_s
-        if patience is None:
-            return admitted
-        if self._migrations and len(self.running) + len(self._incoming) < self.max_num_seqs:
-            head = self._migrations[0]
-            if now - self._since.get(head.id, now) >= patience and self.kv.allocate(head.id, 1):
-                self._migrations.pop(0)
-                head.num_computed = 0  # nothing moves; the source frees its KV when it "lands"
-                head.preemptions += 1
-                self._incoming[head.id] = head
-                admitted.append(head)
-                self.recomputed += 1
-        for st in admitted:
-            self._since.pop(st.id, None)
-        return admitted
+        return self.migrations.admit(len(self.running), now)
 
     def migration_arrived(self, state: RequestState, now: float) -> None:
-        del self._incoming[state.id]
+        self.migrations.arrived(state)
         state.instance = self.instance
         state.status = Status.RUNNING
         self.running.append(state)
+
+    @property
+    def recomputed(self) -> int:
+        return self.migrations.recomputed
 
     def hand_off(self, req_id: int) -> RequestState | None:
         """Stop running a request here without freeing its KV, so it can continue on another
@@ -291,17 +248,14 @@ class LocalCore(LocalScheduler):
         st = next((r for r in self.running if r.id == req_id), None)
         if st is not None:
             self.running.remove(st)
-        elif (st := next((r for r in self._migrations if r.id == req_id), None)) is not None:
-            self._migrations.remove(st)
         else:
-            st = self._incoming.pop(req_id, None) or self._handed_off.pop(req_id, None)
+            st = self.migrations.remove(req_id) or self._handed_off.pop(req_id, None)
         if st is not None:
             self.kv.free(req_id)
         else:  # queued: the selector frees what it holds (or defers it while a step writes it)
             st = self.selector.remove(req_id)
             if st is None:
                 return None
-        self._since.pop(req_id, None)
         st.status = Status.ABORTED
         return st
 
@@ -315,7 +269,7 @@ class LocalCore(LocalScheduler):
         return sum(self.kv.num_held(d.id) - cdiv(d.num_computed + 1, bs) for d in self._run.decodes)
 
     def has_work(self) -> bool:
-        return bool(self.running or self._migrations or self._incoming or self._handed_off
+        return bool(self.running or self.migrations or self._handed_off
                     or self.selector.has_work())
 
     def snapshot(self) -> InstanceSnapshot:
@@ -326,9 +280,7 @@ class LocalCore(LocalScheduler):
             waiting_tokens=0, running_tokens=sum(r.seq_len for r in self.running),
             kv_free_blocks=self.kv.num_free_blocks + self._reserved_ahead(),
             kv_total_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
-            num_migrating_in=len(self._migrations) + len(self._incoming),
-            incoming_tokens=sum(r.seq_len for r in self._migrations)
-            + sum(r.seq_len for r in self._incoming.values()),
+            num_migrating_in=len(self.migrations), incoming_tokens=self.migrations.tokens(),
             num_decoding=len(self.running) - partial, token_interval=m.token_interval or 0.0,
             busy_s=m.busy_s, slo_done=m.slo_done, slo_late=m.slo_late,
         )
