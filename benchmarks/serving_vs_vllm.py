@@ -27,6 +27,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -341,6 +342,8 @@ def row_from_result(result: dict) -> dict:
     row["total_input_tokens"] = result.get("total_input_tokens")
     row["total_output_tokens"] = result.get("total_output_tokens")
     row["request_rate"] = result.get("request_rate")
+    itls = result.get("itls")  # saved with --save-detailed: per request, the gaps between chunks
+    row["itl_samples"] = statistics.median(len(x) for x in itls) if itls else None
     errors = [e for e in result.get("errors") or [] if e]
     row["first_error"] = errors[0].strip().splitlines()[-1][:200] if errors else None
     return row
@@ -374,6 +377,8 @@ def render_table(rows: dict[tuple[str, float], dict], rates) -> str:
         out.append(f"| {rate:g} | input / output tokens (server-counted) | {tok[0]} | {tok[1]} | | |")
         dur = (_fmt(v["duration"]) if v else "—", _fmt(f["duration"]) if f else "—")
         out.append(f"| {rate:g} | benchmark duration (s) | {dur[0]} | {dur[1]} | | |")
+        its = (_fmt(v["itl_samples"]) if v else "—", _fmt(f["itl_samples"]) if f else "—")
+        out.append(f"| {rate:g} | ITL samples per request (median) | {its[0]} | {its[1]} | | |")
         for label, key, better in METRICS:
             a, b = (v or {}).get(key), (f or {}).get(key)
             out.append(f"| {rate:g} | {label} | {_fmt(a)} | {_fmt(b)} | {ratio(b, a)} | {better} |")
@@ -584,6 +589,14 @@ def main(argv: list[str] | None = None) -> int:
     if not preload and args.vllm_preload == "auto":
         notes.append("vLLM ran without tcmalloc/libiomp5 in LD_PRELOAD (not found), which its CPU guide "
                      "recommends for speed.")
+    fy_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv == "flowyard" and r["itl_samples"]]
+    vl_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv == "vllm" and r["itl_samples"]]
+    if fy_samples and vl_samples and max(fy_samples) > max(vl_samples):
+        notes.append("flowyard's completion streams end with a chunk that holds only `finish_reason` (empty "
+                     "text) after the last token's chunk; vLLM's client counts every chunk with a choice as a "
+                     "token arrival, so each flowyard request gets one extra ITL sample of about 0 ms (see "
+                     "'ITL samples per request'), which pulls flowyard's median ITL down a little. TTFT and "
+                     "TPOT are not affected (TPOT uses the server's completion_tokens).")
     if args.vllm_threads_bind == "all":
         notes.append("vLLM's OpenMP threads are bound to every usable core (VLLM_CPU_OMP_THREADS_BIND); its "
                      "default ('auto') reserves one core per rank for its scheduler process, which here would "

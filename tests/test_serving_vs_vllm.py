@@ -42,6 +42,8 @@ def test_row_from_result_reads_the_client_fields(bench):
     assert row["median_itl_ms"] == 75.0 and row["median_tpot_ms"] == 80.0
     assert (row["completed"], row["num_prompts"], row["failed"]) == (60, 60, 0)
     assert row["first_error"] is None
+    assert row["itl_samples"] is None  # not saved without --save-detailed
+    assert bench.row_from_result(result_json(itls=[[0.1] * 63, [0.1] * 64, [0.1] * 63]))["itl_samples"] == 63
 
 
 def test_row_keeps_the_last_line_of_the_first_error(bench):
