@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers_close import check_greedy_close, hf_greedy_logprobs
 from helpers_models import make_tiny_model
 from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
@@ -22,7 +23,7 @@ def build(path, **cfg) -> LLMEngine:
     ckpt = load_checkpoint(path)
     model = CausalLM(ckpt.config)
     model.load_weights(ckpt.weights)
-    return LLMEngine(model, ckpt.tokenizer, EngineConfig(**cfg))
+    return LLMEngine(model, ckpt.tokenizer, EngineConfig(**{"dtype": "float32", **cfg}))  # as transformers
 
 
 def hf_greedy(hf, prompt, n):
@@ -175,16 +176,25 @@ def smol(tmp_path_factory):
     return model, ckpt.tokenizer, {"float32": hf, "bfloat16": d}, prompts
 
 
-@pytest.mark.parametrize("dtype,n_prompts", [("float32", 3), ("bfloat16", 2)])
-def test_embedded_model_greedy_equals_transformers(smol, dtype, n_prompts):
+@pytest.mark.parametrize("dtype,attention,n_prompts", [("float32", "paged", 3), ("bfloat16", "paged", 2),
+                                                      ("bfloat16", "exact", 2)])
+def test_embedded_model_greedy_matches_transformers(smol, dtype, attention, n_prompts):
+    """The default (paged, fastest) is judged as vLLM judges engines: greedy tokens equal to
+    transformers', and where they part each side's token is in the other's top-5. The `exact`
+    option is bitwise transformers, so its tokens must be equal."""
     model, tok, refs, prompts = smol
     torch_dtype = getattr(torch, dtype)
-    engine = LLMEngine(model.to(torch_dtype), tok, EngineConfig(dtype=dtype), name="smol")
+    engine = LLMEngine(model.to(torch_dtype), tok, EngineConfig(dtype=dtype, attention=attention), name="smol")
     hf = refs[dtype]
     if not isinstance(hf, torch.nn.Module):
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch_dtype).eval()
-    outs = engine.generate(prompts[:n_prompts], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=5)
+    outs = engine.generate(prompts[:n_prompts], params)
     for prompt, out in zip(prompts, outs):
-        assert out.new_token_ids == hf_greedy(hf, prompt, 64)
+        ref = hf_greedy_logprobs(hf, prompt, 64)
+        if attention == "exact":
+            assert out.new_token_ids == ref[0]
+        else:
+            assert check_greedy_close(ref, (out.new_token_ids, out.logprobs)) >= 16
     assert "Paris" in outs[0].new_text
     model.float()

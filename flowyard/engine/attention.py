@@ -4,9 +4,12 @@ The cache of one layer is a tensor (2, num_blocks, block_size, kv_heads, head_di
 at position p of a sequence lives in block block_table[p // block_size], slot p % block_size.
 New keys/values are scattered into their slots first; attention then reads each sequence's
 context through its block table. Prefill slices run one SDPA call each (fresh prompts use the
-just-computed K/V directly, adjacent ones of equal length batched in one call); decodes read all their blocks with one gather per layer and run
-batched SDPA calls over it: one call in `grouped` mode, one per group of sequences that round
-alike in `exact` mode (see DecodeGather).
+just-computed K/V directly, adjacent ones of equal length batched in one call). Decodes read
+their blocks in place by default (`paged` mode: the C kernel in paged_kernel.py, one pass over
+the KV bytes). The gather modes copy all decodes' blocks with one gather per layer and run
+batched SDPA calls over it: one call in `grouped` mode (also paged's fallback where the kernel
+cannot run), one per group of sequences that round alike in `exact` mode, which is bitwise what
+transformers computes (see DecodeGather).
 
 Decode cost on a small CPU is dominated by fixed per-call overheads, so everything that does
 not depend on the layer (the flat gather index, the additive padding mask, the grouping, the
@@ -18,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from flowyard.engine.paged_kernel import paged_decode
 
 
 @dataclass(slots=True)
@@ -106,6 +111,7 @@ class AttentionBatch:
     decode_ctx_lens: torch.Tensor | None = None  # (B,) tokens in context incl. the new one
     decode_mask: torch.Tensor | None = None  # unused since DecodeGather; kept for callers
     grouped_decode: bool = False  # see paged_attention
+    paged_decode: bool = False  # decodes read their blocks in place (paged_kernel), the default
     decode_gather: DecodeGather | None = None  # built by the first layer, see DecodeGather
 
     def finalize(self, block_size: int) -> None:
@@ -116,7 +122,7 @@ class AttentionBatch:
         """The step's DecodeGather for a layer cache shaped like `cache` (built once)."""
         if self.decode_gather is None:
             self.decode_gather = plan_decode(self.decode_block_tables, self.decode_ctx_lens, cache.shape[1],
-                                             dtype, exact=not self.grouped_decode)
+                                             dtype, exact=not (self.grouped_decode or self.paged_decode))
         return self.decode_gather
 
 
@@ -148,11 +154,16 @@ def gather_decode_kv(cache: torch.Tensor, plan: DecodeGather) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """q: (B, heads, head_dim) of the decode rows. Returns (B, heads, head_dim)."""
     b, h, hd = q.shape
-    plan = batch.gather_plan(cache, q.dtype)
+    if batch.paged_decode and paged_decode.supports(q, cache):
+        kvh = cache.shape[-2]
+        o = paged_decode(q.view(b, kvh, h // kvh, hd), cache[0], cache[1], batch.decode_block_tables,
+                         batch.decode_ctx_lens)
+        return o.view(b, h, hd)
+    plan = batch.gather_plan(cache, q.dtype)  # the gather path (also paged's fallback)
     kv = gather_decode_kv(cache, plan).to(q.dtype)
     if plan.order is not None:
         q = q.index_select(0, plan.order)
-    if batch.grouped_decode:
+    if batch.grouped_decode or batch.paged_decode:
         # The query heads sharing a KV head ride together as that head's query rows: several
         # times faster on CPU, but the kernel then rounds some outputs 1 ulp differently from
         # one-row-per-head SDPA (what transformers runs).

@@ -9,8 +9,11 @@ import sys
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure the engine's per-operator times into a profile")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the CPU has native bfloat16 matmuls (or on a GPU), else float32")
     p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="profile the engine with weight-only quantised linears (as serve --quantization)")
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median kept)")
     p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB",
@@ -22,17 +25,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel
-    from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
     from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile, save_profile
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
-    engine = LLMEngine.from_path(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory))
+    engine = LLMEngine.from_path(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory,
+                                                          quantization=args.quantization))
     grid = default_grid(quick=args.quick)
     print(f"flowyard: profiling {engine.model_name} ({args.dtype}) over {len(grid)} batch shapes ...",
           file=sys.stderr)
     progress = (lambda i, n: print(f"  {i}/{n}", file=sys.stderr, end="\r")) if sys.stderr.isatty() else None
-    prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size, grid=grid,
+    prof = run_profile(engine.model, dtype=engine.dtype, block_size=engine.kv.block_size, grid=grid,
                        repeats=args.repeats, name=engine.model_name, progress=progress)
     prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
     prof["engine_overhead_s"] = measure_engine_overhead(engine)

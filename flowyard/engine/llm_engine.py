@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -22,20 +22,24 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
-from flowyard.engine.model import LAYER_OPS, CausalLM
+from flowyard.engine.model import LAYER_OPS, CausalLM, PackedLinear
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
+from flowyard.engine.quant import check_quantization, quantize_model
 from flowyard.engine.runner import ModelRunner
-from flowyard.engine.sampling import RequestOutput, SamplingParams, sample
+from flowyard.engine.sampling import RequestOutput, SamplingParams, sample, top_logprobs
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flowyard.policies.base import LocalScheduler, Role, StepResult
 from flowyard.policies.local import BatchConfig, BatchScheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_MODES = ("paged", "grouped", "exact")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
+    # "auto" (vLLM's default) is the fastest correct dtype here: bfloat16 where the CPU has
+    # native bfloat16 matmuls (oneDNN: AVX512-BF16/AMX) or on a GPU, else float32.
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory_mb: int = 384  # KV cache size; kv_cache_tokens overrides it
     kv_cache_tokens: int | None = None
@@ -45,19 +49,33 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget
     max_waiting: int = 256  # bounded queue; past it the server answers 429
     threads: int | None = None
-    # Decode attention kernel: "exact" computes what transformers computes, bit for bit;
-    # "grouped" is faster on CPU at large batch but may round differently (see attention.py).
-    attention: str = "exact"
+    # Weight-only quantised linears for decode (quant.py): None, "int8" or "int4". Applied in
+    # place when the engine is built; few-row GEMMs then read int8/int4 weights.
+    quantization: str | None = None
+    # Decode attention: "paged" (default, fastest) reads KV blocks in place with a compiled
+    # kernel (paged_kernel.py); "grouped" gathers blocks then runs one SDPA call; "exact"
+    # gathers and computes what transformers computes, bit for bit (slowest).
+    attention: str = "paged"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("kv_cache_tokens must hold at least one block")
-        if self.attention not in ("exact", "grouped"):
-            raise ValueError(f"attention must be 'exact' or 'grouped', got {self.attention!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
         if self.kv_cache_memory_mb < 1:
             raise ValueError("kv_cache_memory_mb must be positive")
+        check_quantization(self.quantization)
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """The dtype `name` stands for on `device` ("auto": see EngineConfig.dtype)."""
+    if name != "auto":
+        return name
+    if device != "cpu" or PackedLinear.available:
+        return "bfloat16"
+    return "float32"
 
 
 def new_request(rid: int, arrival: float, prompt_ids: list[int], params: SamplingParams, slo: SLO | None,
@@ -84,6 +102,7 @@ class TrackedRequest:
     emitted: int = 0  # characters of text already streamed
     emitted_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
 
 
 class LLMEngine:
@@ -102,8 +121,8 @@ class LLMEngine:
         self.config = config
         self.model_name = name
         self.tokenizer = tokenizer
-        self.dtype = DTYPES[config.dtype]
-        self.model = model.to(self.dtype).eval()
+        self.dtype = DTYPES[resolve_dtype(config.dtype)]
+        self.model = quantize_model(model.to(self.dtype).eval(), config.quantization)
         cfg = model.cfg
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         tokens = config.kv_cache_tokens or config.kv_cache_memory_mb * 2**20 // per_token
@@ -129,7 +148,8 @@ class LLMEngine:
         # two-executor guard advances a virtual clock by the cost model's step time there
         self.on_executed: Callable[[StepPlan], None] | None = None
         self.last_plan: StepPlan | None = None  # what the last step ran (None: nothing), for timelines
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped")
+        self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped",
+                                  paged_decode=config.attention == "paged")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))
         self._ids = ids if ids is not None else itertools.count()
@@ -302,7 +322,14 @@ class LLMEngine:
         tracked = [self._by_int[s.id] for s in samplers]
         banned = [self.eos + t.params.stop_token_ids if t.state.num_output < t.params.min_tokens else ()
                   for t in tracked]  # EOS and stop ids may not end a request before min_tokens
+        want = [i for i, t in enumerate(tracked) if t.params.logprobs is not None]
+        raw = logits[want].clone() if want else None  # sample() bans tokens in place
         tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked], banned)
+        if want:
+            lps = top_logprobs(raw, list(range(len(want))), [tracked[i].params.logprobs for i in want],
+                               [tokens[i] for i in want])
+            for i, lp in zip(want, lps):
+                tracked[i].logprobs.append(lp)
         stopped = set()
         for t, tok in zip(tracked, tokens):
             if self._check_stop(t, tok):
@@ -350,9 +377,10 @@ class LLMEngine:
         t.emitted_tokens = len(st.output_tokens)
         delta = t.text[t.emitted:end]
         t.emitted = end
+        lps = t.logprobs[len(t.logprobs) - len(new_ids):] if t.params.logprobs is not None else None
         return RequestOutput(t.request_id, new_token_ids=list(new_ids), new_text=delta, finished=done,
                              finish_reason=reason, prompt_tokens=st.req.prompt_len,
-                             completion_tokens=st.num_output)
+                             completion_tokens=st.num_output, logprobs=lps)
 
     # -- offline use -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -367,6 +395,8 @@ class LLMEngine:
                 m = merged[o.request_id]
                 m.new_token_ids += o.new_token_ids
                 m.new_text += o.new_text
+                if o.logprobs is not None:
+                    m.logprobs = (m.logprobs or []) + o.logprobs
                 m.finished, m.finish_reason = o.finished, o.finish_reason
                 m.prompt_tokens, m.completion_tokens = o.prompt_tokens, o.completion_tokens
         return [merged[r] for r in ids]

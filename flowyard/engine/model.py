@@ -190,7 +190,7 @@ class CausalLM(nn.Module):
         linear = self.linear
         residual = F.embedding(input_ids, self.embed.weight)
         # See _down: a few exact bfloat16 decodes get transformers' one-row GEMM each.
-        per_row = (not attn.grouped_decode and not attn.num_prefill_tokens and residual.dtype == torch.bfloat16
+        per_row = (not attn.grouped_decode and not attn.paged_decode and not attn.num_prefill_tokens and residual.dtype == torch.bfloat16
                    and 1 < residual.shape[0] <= PER_ROW_DOWN_MAX)
         cos, sin = self.rope.tables(positions, residual.dtype)
         for i, layer in enumerate(self.layers):

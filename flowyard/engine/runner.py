@@ -26,12 +26,13 @@ def seq_tokens(st: RequestState, start: int, n: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCacheManager, dtype: torch.dtype,
-                 grouped_decode: bool = False) -> None:
+                 grouped_decode: bool = False, paged_decode: bool = False) -> None:
         cfg = model.cfg
         self.model = model
         self.kv = kv
         self.bs = kv.block_size
         self.grouped_decode = grouped_decode
+        self.paged_decode = paged_decode
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype
         )
@@ -63,7 +64,7 @@ class ModelRunner:
         num_prefill = len(ids)
         batch = AttentionBatch(slot_mapping=torch.empty(0), sample_rows=torch.empty(0),
                                prefills=prefills, num_prefill_tokens=num_prefill,
-                               grouped_decode=self.grouped_decode)
+                               grouped_decode=self.grouped_decode, paged_decode=self.paged_decode)
         if plan.decodes:
             tables, lens = [], []
             for d in plan.decodes:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # vLLM's default cap
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # as vLLM: the top-N log-probabilities of each output token, plus its own
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +57,23 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per new token: token id -> log-probability
+
+
+def top_logprobs(logits: "torch.Tensor", rows: list[int], ks: list[int],
+                 chosen: list[int]) -> list[dict[int, float]]:
+    """For each row, the `k` most likely tokens and the chosen one with their log-probabilities
+    under the model's distribution (before temperature and bans, as vLLM reports them)."""
+    import torch
+
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    top = torch.topk(lp, max(ks), dim=-1) if max(ks) else None
+    out = []
+    for i, (k, tok) in enumerate(zip(ks, chosen)):
+        d = {} if top is None else dict(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+        d[tok] = float(lp[i, tok])
+        out.append(d)
+    return out
 
 
 def sample(

@@ -1,0 +1,218 @@
+"""Weight-only quantised linears for CPU decode: int8 per output channel, int4 per group of 32.
+
+Why: a one-row decode step is memory-bound. SmolLM2-135M reads about 270 MB of bfloat16
+weights per token (212 MB in the 30 layers, 57 MB in the tied lm_head); int8 halves that and
+int4 quarters it. The kernels are torch's own maintained CPU ones, not loops of ours:
+
+  int8  `aten._weight_int8pack_mm(x, w_int8 (N, K), scales (N,))`, symmetric, w = q * s
+  int4  `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu`,
+        asymmetric per group of `INT4_GROUP_SIZE` input columns, w = (q - 8) * s + z
+
+Both compute in the activation dtype and take no bias (we add it). They only pay while few
+rows share the weights: with many rows oneDNN's bfloat16 GEMM is compute-bound and faster
+(measured on the 2-core Sapphire Rapids VM, one decode step's linears, best of 15 sweeps over
+30 distinct layers: 1 row bf16 16.2 ms, int8 11.3, int4 6.0; 32 rows bf16 64, int8 84,
+int4 66; 1,024 rows bf16 1.35 s, int8 1.86 s, int4 3.9 s; see benchmarks/results/
+engine_quant.md). So a call with more than `MAX_QUANT_ROWS[mode]` rows (prefill chunks, large
+decode batches) runs PackedLinear on the bfloat16 weights instead. To keep that one model,
+`quantize_model` writes the dequantised values back into the weights: both paths multiply by
+the same quantised weights, the bfloat16 path rounded to bfloat16.
+
+Group size 32: the embedded GGUF is Q4_1, 4-bit min/max codes per group of 32, so int4 at
+32 lands on the file's own grid (a larger group would requantise, and lose, a second time;
+64 was at most 5 % faster). We requantise from the dequantised floats the loader hands us
+(after the engine's cast to bfloat16) rather than repacking llama.cpp blocks: simpler, and
+from float32 it gives the Q4_1 weights back exactly; from bfloat16, with bfloat16 scales,
+the mean error is about twice what the bfloat16 cast alone adds. int8 per output channel is
+coarser than Q4_1's groups here (mean error 5x int4's): its one scale spans all 576 columns.
+Only the decoder layers' linears are quantised; the lm_head (tied embedding) stays
+bfloat16 (see `_layer_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flowyard.engine.model import CausalLM, PackedLinear
+
+QUANTIZATION_MODES = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+# Rows up to which the quantised kernel beats bfloat16 PackedLinear (measured, see above).
+MAX_QUANT_ROWS = {"int8": 8, "int4": 32}
+
+
+def check_quantization(mode: str | None) -> None:
+    """Raise a ValueError naming the valid values unless `mode` is None, "int8" or "int4"."""
+    if mode is not None and mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)} "
+                         f"(or None for none), got {mode!r}")
+
+
+class Scratch:
+    """Work buffers reused from one weight to the next.
+
+    Why: a tensor of a few MB is a fresh mmap, and page faults are so dear on the VMs this
+    runs on that allocating float32/int32 temporaries per weight made quantising SmolLM2
+    about ten times slower (int4: 11 s against about 1 s for the arithmetic itself).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[dtype] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+
+def quantize_int8(w: torch.Tensor, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: codes (N, K) int8, scales (N,) in w's dtype, and the
+    dequantised weight (float32, in `scratch`: valid until its next use)."""
+    wf = (scratch or Scratch()).take(tuple(w.shape), torch.float32).copy_(w.detach())
+    lo, hi = torch.aminmax(wf, dim=1)
+    scale = (torch.maximum(hi, lo.neg()) / 127).clamp_(min=1e-12).to(w.dtype)
+    s = scale.float()[:, None]
+    codes = wf.div_(s).round_().clamp_(-127, 127)
+    return codes.to(torch.int8), scale, codes.mul_(s)
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE,
+                  scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric (min/max) 4-bit codes per `group` input columns.
+
+    Returns codes (N, K) int32 in 0..15, scale_zeros (K / group, N, 2) in w's dtype (the
+    layout `_weight_int4pack_mm_for_cpu` reads: w = (q - 8) * scale + zero) and the
+    dequantised weight (float32); codes and dequantised weight live in `scratch`, valid until
+    its next use. Scale and zero are rounded to w's dtype before the codes are chosen, so
+    codes and scales agree.
+    """
+    scratch = scratch or Scratch()
+    n, k = w.shape
+    wg = scratch.take((n, k // group, group), torch.float32).copy_(w.detach().view(n, k // group, group))
+    lo, hi = torch.aminmax(wg, dim=-1)
+    scale = ((hi - lo) / 15).clamp_(min=1e-8).to(w.dtype).float()
+    # Centre the zero on the group's range: with a rounded scale that splits the error between
+    # both ends instead of piling 15 scale-roundings onto the maximum. (Exact scales: lo + 8s.)
+    zero = ((lo + hi) / 2 + scale / 2).to(w.dtype).float()
+    s, z = scale[..., None], zero[..., None]
+    codes = wg.sub_(z).div_(s).add_(8).round_().clamp_(0, 15)
+    int_codes = scratch.take((n, k), torch.int32).copy_(codes.view(n, k))
+    scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+    return int_codes, scale_zeros, codes.sub_(8).mul_(s).add_(z).view(n, k)
+
+
+class QuantWeight:
+    """One weight's quantised copy and the kernel call that multiplies by it."""
+
+    def __init__(self, mode: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.mode, self.q, self.scale = mode, q, scale
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, mode: str,
+             scratch: Scratch | None = None) -> tuple["QuantWeight", torch.Tensor]:
+        """Quantise `weight`; also return its dequantised values (float32, in `scratch`)."""
+        if mode == "int8":
+            q, scale, dequantized = quantize_int8(weight, scratch)
+            return cls(mode, q, scale), dequantized
+        codes, scale_zeros, dequantized = quantize_int4(weight, scratch=scratch)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        return cls(mode, packed, scale_zeros), dequantized
+
+    @staticmethod
+    def supports(weight: torch.Tensor, mode: str) -> bool:
+        """int4 needs whole groups along K; anything else stays in PackedLinear."""
+        return weight.dim() == 2 and (mode == "int8" or weight.shape[1] % INT4_GROUP_SIZE == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP_SIZE, self.scale)
+
+
+class QuantizedLinear(PackedLinear):
+    """`model.linear` for a quantised model: a call with at most `max_rows` rows on a weight
+    that `quantize_model` quantised goes to the int8/int4 kernel; everything else (prefill
+    chunks, large batches, the lm_head) to PackedLinear on the bfloat16 weights.
+
+    Entries are keyed by the weight's identity and version, as PackedLinear's are: a weight
+    loaded or replaced since (`load_weights`, `.to(float32)`) runs unquantised until
+    `quantize_model` is called again, as every engine build does.
+    """
+
+    def __init__(self, mode: str, max_rows: int | None = None) -> None:
+        check_quantization(mode)
+        if mode is None:
+            raise ValueError("QuantizedLinear needs a quantization mode")
+        super().__init__()
+        self.mode = mode
+        self.max_rows = MAX_QUANT_ROWS[mode] if max_rows is None else max_rows
+        self._quant: dict[int, tuple[torch.Tensor, int, QuantWeight]] = {}
+
+    def clear(self) -> None:
+        """Drop the bfloat16 blockings only: `.to()` calls this before it swaps weights, and
+        quantised entries check the weight's identity and version anyway (a same-dtype
+        `.to()`, as every engine built on a shared model does, keeps them valid)."""
+        super().clear()
+
+    def lookup(self, weight: torch.Tensor) -> QuantWeight | None:
+        """The quantised copy of `weight`, if it has a current one."""
+        hit = self._quant.get(id(weight))
+        if hit is None or hit[0] is not weight or hit[1] != _version(weight):
+            return None
+        return hit[2]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == weight.dtype and not x.requires_grad:
+            qw = self.lookup(weight)
+            if qw is not None:
+                out = qw(x.contiguous())
+                return out if bias is None else out.add_(bias)
+        return super().__call__(x, weight, bias)
+
+
+def _version(weight: torch.Tensor) -> int:
+    return -1 if weight.is_inference() else weight._version  # inference tensors keep none
+
+
+def _layer_weights(model: CausalLM) -> list[torch.Tensor]:
+    """The decoder layers' linear weights. The lm_head (SmolLM2: the tied embedding) stays
+    bfloat16: int4 saved 1.6 ms of a ~28 ms token but made greedy tokens diverge earlier (the
+    file stores it as Q8_0, which 4-bit groups of 32 do not reproduce: 7x the error of int8);
+    int8 saved 0.4 ms, not worth a second copy of 28 M weights."""
+    return [w for layer in model.layers
+            for w in (layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight)]
+
+
+@torch.no_grad()
+def quantize_model(model: CausalLM, mode: str | None, max_rows: int | None = None) -> CausalLM:
+    """Quantise `model`'s layer linears in place (mode "int8"/"int4"); None leaves it as is.
+
+    Installs a QuantizedLinear as model.linear and writes the dequantised weights back, so the
+    bfloat16 path for large batches multiplies by the same quantised weights. Quantising again
+    with the same mode reuses the current entries (free) and requantises only weights that
+    changed; a model quantised one way cannot be served another way or unquantised, as its
+    original weights are gone: that is a ValueError.
+    """
+    check_quantization(mode)
+    current = model.linear.mode if isinstance(model.linear, QuantizedLinear) else None
+    if current is not None and current != mode:
+        raise ValueError(f"this model's weights were quantised to {current} in place; "
+                         f"load it again to run it with quantization={mode!r}")
+    if mode is None:
+        return model
+    old = model.linear if current == mode else None
+    linear = QuantizedLinear(mode, max_rows)
+    scratch = Scratch()
+    for w in _layer_weights(model):
+        qw = old.lookup(w) if old is not None else None
+        if qw is None and QuantWeight.supports(w, mode):
+            qw, dequantized = QuantWeight.make(w, mode, scratch)
+            w.copy_(dequantized)
+        if qw is not None:
+            linear._quant[id(w)] = (w, _version(w), qw)  # after the copy, which bumps the version
+    model.linear = linear
+    return model
