@@ -136,33 +136,31 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a GGUF file
     with transformers' own GGUF reader, weights dequantised and cast to `dtype`.
 
-    transformers' `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)` needs accelerate;
-    without it the same steps are taken by hand: the config from the GGUF, a model built on
-    the meta device, and `load_gguf_checkpoint` (what from_pretrained calls) for the tensors."""
+    Not `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name).save_pretrained(...)`: that
+    needs accelerate, and with it transformers 5.x keeps the GGUF weights packed (its
+    GgufHfQuantizer), refuses save_pretrained ("quantized with gguf and is not serializable")
+    and has no dequantize() for GGUF. So the steps are taken by hand: the config from the GGUF,
+    a model built on the meta device, `load_gguf_checkpoint` (transformers' dequantising reader)
+    for the tensors, loaded into a real model. The result equals flowyard's own GGUF loader
+    tensor for tensor (bfloat16)."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf_path = Path(gguf_path)
     d, name = str(gguf_path.parent), gguf_path.name
-    torch_dtype = getattr(torch, dtype)
-    try:
-        import accelerate  # noqa: F401
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch_dtype)
-    except ImportError:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        config = AutoConfig.from_pretrained(d, gguf_file=name)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta)["tensors"]
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise BenchError(f"GGUF -> HF conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model.tie_weights()
-        model = model.to(torch_dtype)
+    config = AutoConfig.from_pretrained(d, gguf_file=name)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta)["tensors"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise BenchError(f"GGUF -> HF conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    model = model.to(getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -435,8 +433,8 @@ def render_markdown(*, rows, rates, quick: bool, command: str, date: str, revisi
     lines = [
         "# Serving: flowyard against vLLM's CPU build (vLLM's own benchmark client)",
         "",
-        ("**Quick smoke run** (a few prompts per rate): the numbers say the pipeline works, not how fast "
-         "anything is.\n" if quick else ""),
+        *(["**Quick smoke run** (a few prompts per rate): the numbers say the pipeline works, not how fast "
+           "anything is.", ""] if quick else []),
         f"Date: {date}. Machine: {machine_desc}; no GPU. The cores are shared: both servers and the "
         "benchmark client run on them, one server at a time, and other work on the machine may have "
         "run too, so figures vary from run to run.",
