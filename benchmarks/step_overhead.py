@@ -4,7 +4,8 @@ Runs greedy decode batches of 1, 8 and 32 streams and splits each step's wall ti
   schedule     the local scheduler's plan (LocalScheduler.schedule)
   prepare      building the model inputs: token ids, positions, slots, block tables
   model        the forward pass (all layers, the logits of the sampled rows)
-  sample       picking tokens (greedy argmax here) and stop checks with detokenisation
+  sample       picking tokens (greedy argmax here)
+  detok        incremental detokenisation and stop checks
   update       the scheduler applying the step's output (update_from_output)
   outputs      building the RequestOutput deltas (text, token ids) for the server
 and prints mean microseconds per step for each and the share outside the model. Only decode
@@ -26,7 +27,7 @@ import torch
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.sampling import SamplingParams
 
-PARTS = ("schedule", "prepare", "model", "sample", "update", "outputs")
+PARTS = ("schedule", "prepare", "model", "sample", "detok", "update", "outputs")
 
 
 def instrument(engine: LLMEngine, acc: dict[str, float]) -> None:
@@ -46,7 +47,7 @@ def instrument(engine: LLMEngine, acc: dict[str, float]) -> None:
     engine.runner.prepare = timed("prepare", engine.runner.prepare)
     model = engine.runner.model
     model.forward = timed("model", model.forward)  # nn.Module.__call__ finds the instance's
-    engine._check_stop = timed("sample", engine._check_stop)
+    engine._check_stop = timed("detok", engine._check_stop)
     engine._output = timed("outputs", engine._output)
     import flowyard.engine.llm_engine as mod
     mod.sample = timed("sample", mod.sample)
