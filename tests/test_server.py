@@ -388,7 +388,10 @@ def test_chat_streaming_with_usage(client, engine):
     assert all(c["usage"] is None for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == REPLY
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    # as vLLM's: the last token's chunk carries the finish reason (no extra empty chunk)
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {"content": REPLY[-1]}, "logprobs": None,
+                                        "finish_reason": "stop"}
+    assert len(chunks) == 1 + len(REPLY)  # the role chunk, then one chunk per token
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     n = chat_prompt_len()
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {

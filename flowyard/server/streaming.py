@@ -112,19 +112,25 @@ async def sse_events(kind: str, gen: Generation, first: RequestOutput | None) ->
     try:
         if kind == "chat":
             yield _sse(chunk({"role": "assistant", "content": ""}))
-        out = first
+        out, last_text = first, ""
         while out is not None:
             acc.add(out)
+            if out.finished:  # its text goes out with the finish reason, below
+                last_text = out.new_text
+                break
             if out.new_text:
                 yield _sse(chunk({"content": out.new_text} if kind == "chat" else out.new_text))
-            if out.finished:
-                break
             out = await gen.next()
         if acc.error is not None:
+            if last_text:
+                yield _sse(chunk({"content": last_text} if kind == "chat" else last_text))
             yield _sse(error_body(f"the engine failed on this request: {acc.error}", "server_error",
                                   code="engine_error"))
         else:
-            yield _sse(chunk({} if kind == "chat" else "", acc.finish_reason or "stop"))
+            # As vLLM does: the last token's chunk carries the finish reason (a separate empty
+            # chunk would count as one more token interval in clients that time every chunk).
+            delta = {"content": last_text} if last_text else {}
+            yield _sse(chunk(delta if kind == "chat" else last_text, acc.finish_reason or "stop"))
             if p.include_usage:
                 final = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
                          "choices": [], "usage": usage(gen, acc.completion_tokens).model_dump()}
