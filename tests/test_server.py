@@ -630,3 +630,33 @@ def test_live_disconnect_aborts(live):
         assert not engine.active
     finally:
         engine.delay = 0.001
+
+
+# ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
+
+
+def test_tokenize_prompt_and_messages_as_the_completion_endpoints_do(client, engine):
+    r = client.post("/tokenize", json={"model": "fake-model", "prompt": "Say hi"})
+    assert r.status_code == 200
+    b = r.json()
+    assert b["tokens"] == engine.tokenizer.encode("Say hi", add_special_tokens=True) and b["count"] == len(b["tokens"])
+    assert b["max_model_len"] == engine.max_model_len
+    client.post(C, json=chat_body())
+    r = client.post("/tokenize", json={"messages": chat_body()["messages"]})
+    assert r.json()["tokens"] == engine.calls[-1][1]  # what /v1/chat/completions sent the engine
+    r = client.post("/detokenize", json={"tokens": b["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == engine.tokenizer.decode(b["tokens"])
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {"prompt": "a", "model": "other"}, "model"), ("/detokenize", {"tokens": []}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": ["x"]}, "tokens"),
+])
+def test_tokenize_bad_input_is_a_clear_error(client, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["message"]
+    if param == "model":
+        assert r.status_code == 404

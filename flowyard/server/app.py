@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from flowyard.engine.protocol import EngineClient
 from flowyard.server.dashboard import dashboard_router
+from flowyard.server.tokenize import tokenize_router
 from flowyard.server.errors import APIError, install_error_handlers, server_error
 from flowyard.server.metrics import ServerMetrics
 from flowyard.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -166,6 +167,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, served_model_
     install_error_handlers(app)
     app.include_router(build_router())
     app.include_router(dashboard_router())
+    app.include_router(tokenize_router())
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
