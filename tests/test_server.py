@@ -102,8 +102,9 @@ class FakeEngine:
                     raise RuntimeError("engine exploded")
                 last = i == len(reply) - 1
                 done = last
+                lps = None if params.logprobs is None else [{ord(ch): -0.25, ord(ch) + 1: -1.5}]
                 yield RequestOutput(rid, [ord(ch)], ch, last, reason if last else None,
-                                    len(prompt_ids), i + 1)
+                                    len(prompt_ids), i + 1, logprobs=lps)
             if not reply:
                 done = True
                 yield RequestOutput(rid, finished=True, finish_reason=reason, prompt_tokens=len(prompt_ids))
@@ -191,7 +192,9 @@ BAD = [
     ("empty-stop", "POST", C, chat_body(stop=["ok", ""]), 400, None, "stop"),
     ("stop-wrong-type", "POST", C, chat_body(stop=5), 400, None, "stop"),
     ("n-two", "POST", C, chat_body(n=2), 400, "unsupported_parameter", "n"),
-    ("logprobs", "POST", C, chat_body(logprobs=True), 400, "unsupported_parameter", "logprobs"),
+    ("top-logprobs-alone", "POST", C, chat_body(top_logprobs=2), 400, "invalid_value", "top_logprobs"),
+    ("top-logprobs-21", "POST", C, chat_body(logprobs=True, top_logprobs=21), 400, "invalid_value", "top_logprobs"),
+    ("logprobs-negative", "POST", P, cmpl_body(logprobs=-1), 400, "invalid_value", "logprobs"),
     ("echo", "POST", P, cmpl_body(echo=True), 400, "unsupported_parameter", "echo"),
     ("penalty", "POST", P, cmpl_body(presence_penalty=0.5), 400, "unsupported_parameter", "presence_penalty"),
     ("stream-options-no-stream", "POST", C, chat_body(stream_options={"include_usage": True}), 400, None,
@@ -660,3 +663,28 @@ def test_tokenize_bad_input_is_a_clear_error(client, path, body, param):
     assert err["message"]
     if param == "model":
         assert r.status_code == 404
+
+
+# ---- log-probabilities, in OpenAI's chat and completions shapes -----------------------------
+
+
+def test_chat_logprobs_whole_and_streamed(client, engine):
+    b = client.post(C, json=chat_body(logprobs=True, top_logprobs=2)).json()
+    content = b["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == list(REPLY) and engine.calls[-1][2].logprobs == 2
+    first = content[0]
+    assert first["logprob"] == -0.25 and first["bytes"] == list(REPLY[0].encode())
+    assert [t["token"] for t in first["top_logprobs"]] == [REPLY[0], chr(ord(REPLY[0]) + 1)]
+    chunks = sse(client.post(C, json=chat_body(logprobs=True, stream=True)).text)[:-1]
+    streamed = [t for c in chunks[1:] for t in c["choices"][0]["logprobs"]["content"]]
+    assert [t["token"] for t in streamed] == list(REPLY)
+    assert all(t["top_logprobs"] == [] for t in streamed)  # top_logprobs defaults to 0
+    assert client.post(C, json=chat_body()).json()["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_legacy_shape(client, engine):
+    b = client.post(P, json=cmpl_body(logprobs=1, max_tokens=3)).json()
+    lp = b["choices"][0]["logprobs"]
+    assert lp["tokens"] == list(REPLY[:3]) and lp["token_logprobs"] == [-0.25] * 3
+    assert lp["text_offset"] == [0, 1, 2]
+    assert lp["top_logprobs"][0] == {REPLY[0]: -0.25, chr(ord(REPLY[0]) + 1): -1.5}

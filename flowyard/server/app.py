@@ -88,7 +88,7 @@ async def _serve(request: Request, kind: str, p: Prepared, arrival: float) -> Re
             return SSEResponse(sse_events(kind, gen, first), on_close=gen.close, headers=headers)
 
         async def run() -> dict:
-            return full_response(kind, gen, await collect(gen, await gen.next()))
+            return full_response(kind, gen, await collect(gen, await gen.next(), kind))
 
         gone, body = await until_disconnect(request, run)
         if gone:

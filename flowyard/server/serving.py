@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from flowyard.core.request import SLO
 from flowyard.engine.protocol import EngineClient, QueueFullError
-from flowyard.engine.sampling import RequestOutput, SamplingParams
+from flowyard.engine.sampling import MAX_LOGPROBS, RequestOutput, SamplingParams
 from flowyard.server.errors import APIError, validation_error
 from flowyard.server.metrics import RequestMetrics, ServerMetrics
 from flowyard.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
@@ -109,16 +109,28 @@ def _reject_unsupported(req: _SamplingRequest) -> None:
         ("response_format", req.response_format is not None and req.response_format.get("type") != "text"),
     ]
     if isinstance(req, ChatCompletionRequest):
-        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", req.top_logprobs is not None),
-                   ("tools", bool(req.tools))]
+        checks += [("tools", bool(req.tools))]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if isinstance(req, CompletionRequest):
-        checks += [("logprobs", req.logprobs is not None), ("echo", bool(req.echo)), ("suffix", bool(req.suffix))]
+        checks += [("echo", bool(req.echo)), ("suffix", bool(req.suffix))]
+    n = requested_logprobs(req)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise APIError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {n}", param=param, code="invalid_value")
     for name, bad in checks:
         if bad:
             what = "n > 1" if name == "n" else f"'{name}'"
             raise APIError(400, f"{what} is not supported by this server", param=name, code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
+
+
+def requested_logprobs(req: _SamplingRequest) -> int | None:
+    """How many top log-probabilities per token the request asks for (None: none)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return getattr(req, "logprobs", None)
 
 
 def check_model(requested: str | None, served: str) -> str:
@@ -199,7 +211,8 @@ def _sampling(req: _SamplingRequest, max_tokens: int | None, max_tokens_param: s
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,
             min_tokens=req.min_tokens, seed=req.seed, stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=requested_logprobs(req))
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
 

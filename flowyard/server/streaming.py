@@ -1,7 +1,8 @@
 """Turning a `Generation` into an HTTP answer: one JSON body, or SSE chunks.
 
-Streaming shape follows OpenAI: chat sends a first chunk with `delta.role`, then content
-deltas, then a chunk with an empty delta and `finish_reason`, then (stream_options.
+Streaming shape follows OpenAI and vLLM: chat sends a first chunk with `delta.role`, then
+content deltas, the last of which carries `finish_reason` (an empty delta when the last
+output had no text), each with its tokens' `logprobs` when asked for, then (stream_options.
 include_usage) a chunk with empty `choices` and `usage`, then `data: [DONE]`. Completions
 send `text_completion` chunks the same way. An engine failure after the headers are out is
 reported as a `data: {"error": ...}` event followed by `[DONE]` (what vLLM does), since the
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from flowyard.engine.sampling import RequestOutput
 from flowyard.server.errors import APIError, error_body, server_error
+from flowyard.server.logprobs import LogprobFormatter, merge
 from flowyard.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionResponse,
                                       CompletionChoice, CompletionResponse, UsageInfo)
 from flowyard.server.serving import Generation
@@ -35,14 +37,20 @@ def usage(gen: Generation, completion_tokens: int) -> UsageInfo:
 class _Acc:
     """Accumulates text, token count and finish reason over a request's outputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: LogprobFormatter | None = None) -> None:
+        self.fmt = fmt  # set when the request asked for log-probabilities
+        self.logprobs: list[dict] = []  # formatted, one object per output
         self.text: list[str] = []
         self.tokens = 0
         self.reported_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    def add(self, out: RequestOutput) -> None:
+    def add(self, out: RequestOutput) -> dict | None:
+        """Take one output; return its formatted log-probabilities (None if not asked)."""
+        lp = self.fmt.format(out.new_token_ids, out.logprobs) if self.fmt is not None else None
+        if lp is not None:
+            self.logprobs.append(lp)
         self.text.append(out.new_text)
         self.tokens += len(out.new_token_ids)
         self.reported_tokens = max(self.reported_tokens, out.completion_tokens)
@@ -51,6 +59,7 @@ class _Acc:
             self.error = out.error if (out.error or out.finish_reason == "error") else None
             if self.finish_reason == "error" and self.error is None:
                 self.error = "the engine reported an error"
+        return lp
 
     @property
     def completion_tokens(self) -> int:
@@ -58,8 +67,13 @@ class _Acc:
         return self.reported_tokens or self.tokens
 
 
-async def collect(gen: Generation, first: RequestOutput | None) -> _Acc:
-    acc = _Acc()
+def _formatter(kind: str, gen: Generation) -> LogprobFormatter | None:
+    n = gen.p.params.logprobs
+    return None if n is None else LogprobFormatter(gen.engine.tokenizer, kind, n)
+
+
+async def collect(gen: Generation, first: RequestOutput | None, kind: str = "cmpl") -> _Acc:
+    acc = _Acc(_formatter(kind, gen))
     out = first
     while out is not None:
         acc.add(out)
@@ -78,11 +92,12 @@ def full_response(kind: str, gen: Generation, acc: _Acc) -> dict[str, Any]:
     if kind == "chat":
         return ChatCompletionResponse(
             id=p.request_id, created=p.created, model=p.model, usage=u,
-            choices=[ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=acc.finish_reason)],
+            choices=[ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=acc.finish_reason,
+                                logprobs=merge(acc.logprobs))],
         ).model_dump()
     return CompletionResponse(
         id=p.request_id, created=p.created, model=p.model, usage=u,
-        choices=[CompletionChoice(index=0, text=text, finish_reason=acc.finish_reason)],
+        choices=[CompletionChoice(index=0, text=text, finish_reason=acc.finish_reason, logprobs=merge(acc.logprobs))],
     ).model_dump()
 
 
@@ -95,42 +110,42 @@ async def sse_events(kind: str, gen: Generation, first: RequestOutput | None) ->
     p = gen.p
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta_or_text: Any, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(delta_or_text: Any, finish_reason: str | None = None, logprobs: dict | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if kind == "chat":
             choice["delta"] = delta_or_text
         else:
             choice["text"] = delta_or_text
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         c: dict[str, Any] = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
                              "choices": [choice]}
         if p.include_usage:
             c["usage"] = None
         return c
 
-    acc = _Acc()
+    acc = _Acc(_formatter(kind, gen))
     try:
         if kind == "chat":
             yield _sse(chunk({"role": "assistant", "content": ""}))
-        out, last_text = first, ""
+        out, last_text, last_lp = first, "", None
         while out is not None:
-            acc.add(out)
+            lp = acc.add(out)
             if out.finished:  # its text goes out with the finish reason, below
-                last_text = out.new_text
+                last_text, last_lp = out.new_text, lp
                 break
-            if out.new_text:
-                yield _sse(chunk({"content": out.new_text} if kind == "chat" else out.new_text))
+            if out.new_text or lp:
+                yield _sse(chunk({"content": out.new_text} if kind == "chat" else out.new_text, logprobs=lp))
             out = await gen.next()
         if acc.error is not None:
             if last_text:
-                yield _sse(chunk({"content": last_text} if kind == "chat" else last_text))
+                yield _sse(chunk({"content": last_text} if kind == "chat" else last_text, logprobs=last_lp))
             yield _sse(error_body(f"the engine failed on this request: {acc.error}", "server_error",
                                   code="engine_error"))
         else:
             # As vLLM does: the last token's chunk carries the finish reason (a separate empty
             # chunk would count as one more token interval in clients that time every chunk).
             delta = {"content": last_text} if last_text else {}
-            yield _sse(chunk(delta if kind == "chat" else last_text, acc.finish_reason or "stop"))
+            yield _sse(chunk(delta if kind == "chat" else last_text, acc.finish_reason or "stop", last_lp))
             if p.include_usage:
                 final = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
                          "choices": [], "usage": usage(gen, acc.completion_tokens).model_dump()}
