@@ -19,6 +19,7 @@ from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
 from flowyard.policies.dynaserve_local import dynaserve_scheduler
 from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
+from flowyard.policies.flowyard_policy import FlowyardConfig, flowyard_policy
 from flowyard.policies.local import BatchConfig, BatchScheduler
 from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig, PLARouter
@@ -50,6 +51,7 @@ class PolicyOptions:
     pla: PLAConfig | None = None  # override PLA-Serve's knobs (variants)
     pla_controller: ControllerConfig | None = None
     dynaserve: DynaServeConfig | None = None  # override DynaServe's knobs (K, tolerance, SLO, lengths)
+    flowyard: FlowyardConfig | None = None  # override flowyard's knobs (ablations, pinned regimes)
 
 
 @dataclass
@@ -246,6 +248,7 @@ POLICY_SPECS: dict[str, PolicySpec] = {
     "arrow-rr": PolicySpec(_arrow("rr"), needs_predictor=True),
     "dynaserve": PolicySpec(_dynaserve(False), needs_predictor=True),
     "dynaserve-oracle": PolicySpec(_dynaserve(True), needs_predictor=True),
+    "flowyard": PolicySpec(flowyard_policy, needs_predictor=True),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICY_SPECS)

@@ -1,0 +1,84 @@
+"""The local scheduler of the `flowyard` policy: one `LocalCore` per (MIXED) instance whose
+prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded step budget.
+
+- **Order (FlowPrefill §5.2, S-EDF).** Queued prompts are ranked by sgn(slack)/deadline with
+  slack = TTFT deadline − now − TTFT-hat: among requests that can still make their TTFT SLO,
+  the earliest deadline goes first; hopeless ones go last instead of blocking feasible ones.
+  Under SLOs that depend on the prompt length (short prompts tight, long ones loose) this is
+  what lets short prompts overtake a long prompt's chunks. Operator-level preemption is a
+  PREFILL-instance feature (`flowprefill.FlowPrefillSelector`); on these MIXED instances a
+  running step is never cut, so the chunk size bounds how long an urgent prompt waits.
+- **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
+  largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
+  within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
+  size; a step without decodes takes the full chunk. With a loose TPOT this is vLLM's
+  2048-token chunked prefill; with a tight one the decodes keep their TPOT while prefill
+  still advances every step. There is one profile table per TPOT value seen (usually one to
+  three), each fed every measured step.
+"""
+
+from __future__ import annotations
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import StepOutput
+from flowyard.core.request import Status
+from flowyard.costmodel.base import CostModel
+from flowyard.policies.base import Role
+from flowyard.policies.core import LocalCore
+from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, ProfileTable
+from flowyard.policies.order import QueueOrder
+from flowyard.policies.slack import TTFTPredictor
+
+
+class FlowyardSelector(DynaServeSelector):
+    """Chunked prefill in `order` with a per-step budget bounded by the decodes' TPOT SLO."""
+
+    def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
+                 headroom: float = 0.9, min_prefill: int = 64) -> None:
+        local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
+                            max_prefill=chunk)
+        super().__init__(cost, local)
+        self.chunk, self.tbt_budget = chunk, tbt_budget
+        self.order = QueueOrder(order)
+        self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
+        self._tables: dict[float, ProfileTable] = {}
+
+    def _table(self, tpot: float) -> ProfileTable:
+        t = self._tables.get(tpot)
+        if t is None:
+            cfg = LocalConfig(tbt_slo=tpot, headroom=self.local.headroom, chunk_cap=self.chunk,
+                              min_prefill=self.local.min_prefill, max_prefill=self.chunk)
+            t = self._tables[tpot] = ProfileTable(self.profile.cost, cfg)
+        return t
+
+    def decode_cap(self, now: float) -> float:
+        ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
+        n = len(ready)
+        tpots = [r.req.slo.tpot for r in ready if r.req.slo.tpot is not None]
+        if not self.tbt_budget or not n or not tpots:
+            self._budget = self.chunk
+        else:
+            ctx = sum(r.num_computed + 1 for r in ready) / n
+            history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
+            budget = self._table(min(tpots)).budget(n, ctx, history)
+            self._budget = min(self.chunk, max(self.local.min_prefill, budget))
+        self.token_budget = n + self._budget
+        return self.token_budget
+
+    def executed(self, plan, out: StepOutput) -> None:
+        """Record the step in every profile table (they differ only in the SLO they answer for)."""
+        if self._composed is not None and len(out.end_times):
+            pf, ctx, n, start, model = self._composed
+            for t in self._tables.values():
+                t.record(pf, ctx, n, float(out.end_times[0]) - start, model)
+        self._composed = None
+
+
+def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
+                       order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
+                       max_model_len: int | None = None, max_repeats: int = 512) -> LocalCore:
+    if role is not Role.MIXED:
+        raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
+    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget)
+    return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                     max_repeats=max_repeats)
