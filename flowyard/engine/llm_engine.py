@@ -382,6 +382,11 @@ class LLMEngine:
                              finish_reason=reason, prompt_tokens=st.req.prompt_len,
                              completion_tokens=st.num_output, logprobs=lps)
 
+    def warm_up(self) -> None:
+        """Run one tiny request through prefill and decode, so that the first client does not
+        pay for one-time work (oneDNN's weight packing, allocator growth); its KV is freed."""
+        self.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
     # -- offline use -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run prompts (token ids) to completion together; one merged output per prompt."""

@@ -12,6 +12,7 @@ from flowyard.core.plan import StepPlan
 from flowyard.core.request import RequestState
 from flowyard.engine.attention import AttentionBatch, PrefillSeq
 from flowyard.engine.model import CausalLM
+from flowyard.engine.paged_kernel import paged_decode as paged_kernel
 
 
 def seq_tokens(st: RequestState, start: int, n: int) -> list[int]:
@@ -33,6 +34,8 @@ class ModelRunner:
         self.bs = kv.block_size
         self.grouped_decode = grouped_decode
         self.paged_decode = paged_decode
+        if paged_decode:  # build/load the kernel now, not inside the first request's decode step
+            paged_kernel.supports(torch.empty(1, 1, 1, cfg.head_dim, dtype=dtype), torch.empty(1, dtype=dtype))
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype
         )

@@ -107,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             decisions=decisions)
     else:
         engine = LLMEngine.from_path(args.model, config)
+        engine.warm_up()  # the instances of a LocalCluster share its model, so this warms them too
     if policy is not None and not use_ray:
         from flowyard.runtime.cluster import LocalCluster
 
