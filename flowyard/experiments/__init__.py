@@ -23,6 +23,7 @@ EXPERIMENTS: dict[str, str] = {
     "pla-serve": "flowyard.experiments.pla_serve",
     "arrow": "flowyard.experiments.arrow",
     "dynaserve": "flowyard.experiments.dynaserve",
+    "flowyard": "flowyard.experiments.flowyard_suite",  # not a paper: the composed policy (issue 16)
 }
 
 DEFAULT_OUT = "docs/results"
