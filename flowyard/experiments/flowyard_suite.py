@@ -67,14 +67,14 @@ class WorkloadSpec:
 
 WORKLOADS: dict[str, WorkloadSpec] = {w.key: w for w in (
     WorkloadSpec("azure-code", "Azure Code", 3.0, (2, 8), "the trace's first requests, its bursts kept"),
-    WorkloadSpec("azure-conv", "Azure Conv", 2.0, (2, 8), "the trace's first requests"),
+    WorkloadSpec("azure-conv", "Azure Conv", 2.0, (8, 32), "the trace's first requests"),
     WorkloadSpec("burstgpt", "BurstGPT", 0.25, (2, 8), "all 399 public rows (its TTFT SLO is 250 ms)"),
     WorkloadSpec("mooncake-conv", "Mooncake conv", 30.0, (0.5, 2), "the trace's first requests (long prompts)"),
     WorkloadSpec("sharegpt-sessions", "ShareGPT sessions", 2.0, (2, 8),
                  "ShareGPT lengths chained into sessions (mean 4 turns, follow-ups ≤ 64 new tokens, 5 s think "
                  "time), prefix caching on", prefix_caching=True),
-    WorkloadSpec("arxiv", "arXiv", 3.0, (0.5, 2), "arXiv summarisation lengths, Poisson arrivals (long prompts)"),
-    WorkloadSpec("reasoning", "Reasoning (long output)", 3.0, (0.5, 2),
+    WorkloadSpec("arxiv", "arXiv", 3.0, (4, 16), "arXiv summarisation lengths, Poisson arrivals (long prompts)"),
+    WorkloadSpec("reasoning", "Reasoning (long output)", 3.0, (4, 16),
                  "DynaServe's Mini Reasoning shape (P219/D1467, gamma), Poisson arrivals"),
     WorkloadSpec("hybrid", "Hybrid code+conv+Mooncake", 3.0, (1, 4),
                  "a uniform mix of Azure Code, Azure Conv and Mooncake conv lengths, Poisson arrivals"),

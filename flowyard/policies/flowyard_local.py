@@ -7,7 +7,11 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   Under SLOs that depend on the prompt length (short prompts tight, long ones loose) this is
   what lets short prompts overtake a long prompt's chunks. Operator-level preemption is a
   PREFILL-instance feature (`flowprefill.FlowPrefillSelector`); on these MIXED instances a
-  running step is never cut, so the chunk size bounds how long an urgent prompt waits.
+  running step is never cut, but the ranking is redone at every step over started and queued
+  prompts alike (chunk-level preemption: a started prompt that ranks lower gets no chunk this
+  step and keeps its KV), so one step bounds how long an urgent prompt waits. vLLM's selector
+  instead lets every started prompt continue first, so a long prompt's chunks hold the
+  instance until it is done.
 - **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
   largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
   within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
@@ -20,7 +24,7 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
 from __future__ import annotations
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import StepOutput
+from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
@@ -64,6 +68,51 @@ class FlowyardSelector(DynaServeSelector):
             self._budget = min(self.chunk, max(self.local.min_prefill, budget))
         self.token_budget = n + self._budget
         return self.token_budget
+
+    def select(self, plan: StepPlan, now: float) -> StepPlan:
+        """Started and queued prompts ranked together in `order` (module docstring); a static
+        order (fcfs, edf) keeps vLLM's rule (started prompts first)."""
+        if self.order.static:
+            return super().select(plan, now)
+        core, kv = self.core, self.core.kv
+        key = self.order.key
+        self._rank(now)
+        started = [r for r in core.running if r.in_prefill and r.status is Status.RUNNING]
+        queue = [(key(st, now, self.ttft_hat), 0, k, st) for k, st in enumerate(started)]
+        queue += [(key(w[2], now, self.ttft_hat), 1, w[1], w[2]) for w in self._waiting]
+        queue.sort(key=lambda q: (q[0], q[1], q[2]))
+        budget = self.token_budget - plan.num_tokens
+        taken: set[int] = set()
+        for _, queued, _, st in queue:
+            if budget <= 0:
+                break
+            if not queued:
+                if st.status is not Status.RUNNING:
+                    continue  # preempted by an earlier grow this step
+                n = self._chunk(self.want(st), budget, plan)
+                if n and core.grow(st, st.num_computed + n, plan, now):
+                    plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+                    budget -= n
+                continue
+            if len(core.running) >= core.max_num_seqs:
+                continue
+            cached = kv.match_prefix(st) if st.num_computed == 0 else 0
+            st.num_computed += cached
+            n = self._chunk(self.want(st), budget, plan)
+            if not n or not kv.allocate(st.id, st.num_computed + n):
+                if cached:
+                    kv.free(st.id)
+                    st.num_computed = 0
+                break  # no KV: later ones wait too (no overtaking by size)
+            taken.add(st.id)
+            core.start(st)
+            plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+            budget -= n
+        if taken:
+            left = [w for w in self._waiting if w[2].id not in taken]
+            self._waiting_tokens -= sum(w[3] for w in self._waiting if w[2].id in taken)
+            self._waiting = left
+        return plan
 
     def executed(self, plan, out: StepOutput) -> None:
         """Record the step in every profile table (they differ only in the SLO they answer for)."""
