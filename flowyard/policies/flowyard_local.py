@@ -78,15 +78,16 @@ class FlowyardSelector(DynaServeSelector):
         key = self.order.key
         self._rank(now)
         started = [r for r in core.running if r.in_prefill and r.status is Status.RUNNING]
-        queue = [(key(st, now, self.ttft_hat), 0, k, st) for k, st in enumerate(started)]
-        queue += [(key(w[2], now, self.ttft_hat), 1, w[1], w[2]) for w in self._waiting]
+        queue = [(key(st, now, self.ttft_hat), 0, k, st, None) for k, st in enumerate(started)]
+        queue += [(key(w[2], now, self.ttft_hat), 1, w[1], w[2], w) for w in self._waiting]
         queue.sort(key=lambda q: (q[0], q[1], q[2]))
         budget = self.token_budget - plan.num_tokens
-        taken: set[int] = set()
-        for _, queued, _, st in queue:
+        taken: list[tuple] = []
+        admit = True  # False once a queued prompt found no KV: no later one overtakes it
+        for _, _, _, st, entry in queue:
             if budget <= 0:
                 break
-            if not queued:
+            if entry is None:  # started: its KV grows chunk by chunk (held while it waits)
                 if st.status is not Status.RUNNING:
                     continue  # preempted by an earlier grow this step
                 n = self._chunk(self.want(st), budget, plan)
@@ -94,7 +95,7 @@ class FlowyardSelector(DynaServeSelector):
                     plan.prefills.append(PrefillSlice(st, st.num_computed, n))
                     budget -= n
                 continue
-            if len(core.running) >= core.max_num_seqs:
+            if not admit or len(core.running) >= core.max_num_seqs:
                 continue
             cached = kv.match_prefix(st) if st.num_computed == 0 else 0
             st.num_computed += cached
@@ -103,15 +104,16 @@ class FlowyardSelector(DynaServeSelector):
                 if cached:
                     kv.free(st.id)
                     st.num_computed = 0
-                break  # no KV: later ones wait too (no overtaking by size)
-            taken.add(st.id)
+                admit = False  # started prompts still get their chunks (they hold KV already)
+                continue
+            taken.append(entry)
             core.start(st)
             plan.prefills.append(PrefillSlice(st, st.num_computed, n))
             budget -= n
         if taken:
-            left = [w for w in self._waiting if w[2].id not in taken]
-            self._waiting_tokens -= sum(w[3] for w in self._waiting if w[2].id in taken)
-            self._waiting = left
+            gone = {id(e) for e in taken}
+            self._waiting = [w for w in self._waiting if id(w) not in gone]
+            self._waiting_tokens -= sum(e[3] for e in taken)
         return plan
 
     def executed(self, plan, out: StepOutput) -> None:
