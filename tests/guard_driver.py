@@ -80,7 +80,7 @@ def run_cluster(name: str, jobs: list[Job], cost, opts: PolicyOptions, model, to
     clock = VirtualClock()
     log = timeline.log if timeline is not None else DecisionLog()
     policy = build_policy(name, opts)
-    cluster = LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=kv_tokens, block_size=block,
+    cluster = LocalCluster(model, tok, policy, EngineConfig(dtype="float32", kv_cache_tokens=kv_tokens, block_size=block,
                                                             enable_prefix_caching=False),
                            decisions=log, clock=clock, timeline=timeline)
     period = policy.global_scheduler.period

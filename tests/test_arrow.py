@@ -209,10 +209,10 @@ def test_local_cluster_flips_and_moves_decodes_with_identical_tokens(tmp_path):
     # the long one then moves its KV to instance 2.
     gs = ArrowRouter(LinearCost(), ArrowConfig(num_prefill=1, period=1e6, chunk_size=64))
     pol = Policy("arrow", gs, [Role.MIXED] * 3, {Role.MIXED: BatchConfig(max_num_batched_tokens=64)})
-    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(kv_cache_tokens=1024))
+    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(dtype="float32", kv_cache_tokens=1024))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[(7 * k) % 250 + 3 for k in range(200)], [(5 * k + 1) % 250 + 3 for k in range(40)]]
-    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=1024)).generate(prompts, params)
+    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=1024)).generate(prompts, params)
     for i, p in enumerate(prompts):
         c.add_request(f"r{i}", p, params, SLO(ttft=0.065, tpot=1e-4))
     assert [(i, a, b) for _, i, a, b in gs.pools.moves] == [(1, Pool.D, Pool.P)]

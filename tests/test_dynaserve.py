@@ -287,7 +287,7 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
     model, tok = tiny
     prompt = [(7 * j) % 150 + 3 for j in range(60)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    ref = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=1024)).generate([prompt], params)[0].new_token_ids
+    ref = LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=1024)).generate([prompt], params)[0].new_token_ids
     pol = build_policy("dynaserve-oracle", PolicyOptions(num_instances=2, predictor=LinearCost(),
                                                          dynaserve=DynaServeConfig(chunk_cap=16, min_segment=1)))
     gs = pol.global_scheduler
@@ -298,7 +298,7 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
         return chosen(d, P, D)
 
     gs.splitter._chosen = force
-    c = LocalCluster(model, tok, pol, EngineConfig(kv_cache_tokens=1024))
+    c = LocalCluster(model, tok, pol, EngineConfig(dtype="float32", kv_cache_tokens=1024))
     c.add_request("r", prompt, params)
     got = []
     while c.has_unfinished():

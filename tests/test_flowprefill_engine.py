@@ -34,7 +34,7 @@ def cluster_for(model, tok, granularity="operator", predictor=None):
     fp = FlowPrefillConfig(granularity=granularity)
     pred = predictor or make_cost_model("smollm2-135m", "cpu")
     policy = build_policy("flowprefill", PolicyOptions(num_instances=2, predictor=pred, flowprefill=fp))
-    return LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=4096))
+    return LocalCluster(model, tok, policy, EngineConfig(dtype="float32", kv_cache_tokens=4096))
 
 
 def drain(engine, got=None, first=None, step_no=None):
@@ -49,7 +49,7 @@ def drain(engine, got=None, first=None, step_no=None):
 
 
 def alone(model, tok, prompt):
-    e = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096))
+    e = LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=4096))
     e.add_request("x", prompt, GREEDY)
     return drain(e)["x"]
 

@@ -75,8 +75,8 @@ def test_real_micro_request_tokens_equal_the_unsplit_request(tiny, offset):
     model, tok = tiny
     prompt = [(7 * j) % 150 + 3 for j in range(60)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    ref = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=1024)).generate([prompt], params)[0].new_token_ids
-    c = LocalCluster(model, tok, policy(lambda r: r.prompt_len + offset, chunk=32), EngineConfig(kv_cache_tokens=1024))
+    ref = LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=1024)).generate([prompt], params)[0].new_token_ids
+    c = LocalCluster(model, tok, policy(lambda r: r.prompt_len + offset, chunk=32), EngineConfig(dtype="float32", kv_cache_tokens=1024))
     c.add_request("r", prompt, params)
     got = []
     while c.has_unfinished():

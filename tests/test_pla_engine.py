@@ -25,11 +25,11 @@ load = load_model
 def cluster(model, tok, policy="pla", n=2, p=1):
     cfg = PLAConfig(boundary=64, long_chunk=128, awd=AWDConfig(w_max=0.0))
     pol = build_policy(policy, PolicyOptions(num_instances=n, num_prefill=p, predictor=PREDICTOR, pla=cfg))
-    return LocalCluster(model, tok, pol, EngineConfig(kv_cache_tokens=4096))
+    return LocalCluster(model, tok, pol, EngineConfig(dtype="float32", kv_cache_tokens=4096))
 
 
 def alone(model, tok, prompt):
-    e = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096))
+    e = LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=4096))
     e.add_request("x", prompt, GREEDY)
     got = []
     while e.has_unfinished():

@@ -38,7 +38,7 @@ def tiny(tmp_path_factory):
     ckpt = load_checkpoint(d)
     model = CausalLM(ckpt.config)
     model.load_weights(ckpt.weights)
-    return str(d), lambda: LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096))
+    return str(d), lambda: LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=4096))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_distserve_on_two_ray_actors_gives_the_same_tokens(tiny, ray_session):
     d, reference = tiny
     ref = drive(reference())
     cluster = RayCluster(d, build_policy("distserve", PolicyOptions(num_instances=2)),
-                         EngineConfig(kv_cache_tokens=2048))
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048))
     assert drive(cluster) == ref
     assert cluster.migrations == len(PROMPTS)
     snaps = cluster.fresh_snapshots()
@@ -67,7 +67,7 @@ def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tiny, ray_sessi
 
     d, _ = tiny
     cluster = RayCluster(d, build_policy("round-robin", PolicyOptions(num_instances=2)),
-                         EngineConfig(kv_cache_tokens=2048))
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048))
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         cluster.add_request(f"r{i}", p, long)  # r0, r2 on instance 0; r1, r3 on 1
@@ -104,7 +104,7 @@ def test_migrate_between_actors_at_any_token(tiny, ray_session):
     prompt = PROMPTS[2]
     ref = reference().generate([prompt], GREEDY)[0]
     cluster = RayCluster(d, build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
-                         EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16, block_size=4))
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=16, block_size=4))
     for k, steps in enumerate([2, 5, 11]):  # mid-prefill (32 of 70), prefill end, mid-decode
         rid = f"m{k}"
         cluster.add_request(rid, prompt, GREEDY)

@@ -64,7 +64,7 @@ def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster, policy)
     model.load_weights(ckpt.weights)
     prompt = "the quick brown fox jumps over"
     ids = ckpt.tokenizer.encode(prompt)
-    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=4096)).generate([ids], GREEDY)[0]
+    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=4096)).generate([ids], GREEDY)[0]
     port = _free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     server = subprocess.Popen([sys.executable, "-m", "flowyard.cli", "serve", "--model", str(d), "--instances", "2",

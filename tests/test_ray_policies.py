@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 LENS = [60, 9, 90, 25, 41, 70]
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate(LENS)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-CONFIG = EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=32, block_size=8)
+CONFIG = EngineConfig(dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=32, block_size=8)
 # what each policy must have done on the way (besides routing every request)
 EXPECTED = {"distserve": {"handoff"}, "distserve-cp2k": {"handoff"}, "distserve-cp8k": {"handoff"},
             "flowprefill": {"handoff"}, "pla": {"handoff"}, "pla-spatial": {"handoff"}}
@@ -44,7 +44,7 @@ def run(engine, prompts, sessions=None):
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
     d, _ = make_tiny_model(tmp_path_factory.mktemp("raypol"), "llama")
-    reference = LLMEngine(*load_model(d), EngineConfig(kv_cache_tokens=4096))
+    reference = LLMEngine(*load_model(d), EngineConfig(dtype="float32", kv_cache_tokens=4096))
     return str(d), [o.new_token_ids for o in reference.generate(PROMPTS, GREEDY)]
 
 
@@ -99,12 +99,12 @@ def test_flowprefill_preempts_a_running_prefill_inside_an_actor(ray_session):
     model, tok = load_model(embedded_model_path())
     long_prompt = tok.encode("Summarise the history of computing. " * 110)[:900]
     short_prompt = tok.encode("What is the capital of France?")
-    reference = LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096))
+    reference = LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=4096))
     ref_long, ref_short = (o.new_token_ids for o in reference.generate([long_prompt, short_prompt], GREEDY))
     policy = build_policy("flowprefill", PolicyOptions(
         num_instances=2, predictor=make_cost_model("smollm2-135m", "cpu"),
         flowprefill=FlowPrefillConfig(granularity="operator")))
-    cluster = RayCluster(None, policy, EngineConfig(kv_cache_tokens=4096, threads=1))
+    cluster = RayCluster(None, policy, EngineConfig(dtype="float32", kv_cache_tokens=4096, threads=1))
     try:
         cluster.add_request("long", long_prompt, GREEDY, SLO(ttft=60.0))
         got: dict[str, list[int]] = {"long": [], "short": []}
@@ -156,7 +156,7 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
                 if o.finished:
                     ends[o.request_id] = (o.finish_reason, o.error)
         assert set(ends) == set(got)  # every request ended, one way or the other
-        reference = LLMEngine(*load_model(d), EngineConfig(kv_cache_tokens=4096))
+        reference = LLMEngine(*load_model(d), EngineConfig(dtype="float32", kv_cache_tokens=4096))
         for rid, (reason, error) in ends.items():
             if reason == "length":
                 if ref_long[rid] is None:

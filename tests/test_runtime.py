@@ -37,7 +37,7 @@ def run(cluster_or_engine, prompts=PROMPTS, params=GREEDY):
 
 def reference(tiny):
     model, tok = tiny
-    return run(LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096)))
+    return run(LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=4096)))
 
 
 @pytest.mark.parametrize("policy,n,p", [("distserve", 2, 1), ("distserve", 4, 2), ("distserve-cp2k", 2, 1),
@@ -45,7 +45,7 @@ def reference(tiny):
 def test_policies_on_real_instances_give_the_same_tokens(tiny, policy, n, p):
     model, tok = tiny
     cluster = LocalCluster(model, tok, build_policy(policy, PolicyOptions(num_instances=n, num_prefill=p)),
-                           EngineConfig(kv_cache_tokens=2048))
+                           EngineConfig(dtype="float32", kv_cache_tokens=2048))
     assert run(cluster) == reference(tiny)
     for e in cluster.engines:
         assert not e.kv.leaked() and not e.has_unfinished()
@@ -66,7 +66,7 @@ def test_round_robin_spreads_requests(tiny):
 def test_decode_kv_pressure_waits_for_room_and_abort_mid_migration_frees_source(tiny):
     model, tok = tiny
     cluster = LocalCluster(model, tok, build_policy("distserve", PolicyOptions(num_instances=2)),
-                           EngineConfig(kv_cache_tokens=160, block_size=16))
+                           EngineConfig(dtype="float32", kv_cache_tokens=160, block_size=16))
     out = run(cluster, PROMPTS[:4], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     assert all(len(t) == 30 for t in out)
     long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
@@ -90,9 +90,9 @@ def test_decode_kv_pressure_waits_for_room_and_abort_mid_migration_frees_source(
 def test_migrate_at_any_token_keeps_the_tokens(tiny, where):
     model, tok = tiny
     prompt = PROMPTS[2]  # 70 tokens: five chunks of 16
-    ref = run(LLMEngine(model, tok, EngineConfig(kv_cache_tokens=4096)), [prompt])[0]
+    ref = run(LLMEngine(model, tok, EngineConfig(dtype="float32", kv_cache_tokens=4096)), [prompt])[0]
     cluster = LocalCluster(model, tok, build_policy("round-robin", PolicyOptions(num_instances=2, chunk_size=16)),
-                           EngineConfig(kv_cache_tokens=2048, max_num_batched_tokens=16))
+                           EngineConfig(dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=16))
     cluster.add_request("m", prompt, GREEDY)
     src = cluster._where["m"]
     st = cluster.engines[src].tracked("m").state
@@ -122,7 +122,7 @@ def test_global_scheduler_ticks_on_real_instances(tiny):
     ticks: list[tuple[float, int]] = []
     gs.period = 0.002
     gs.tick = lambda view, now: ticks.append((now, sum(view.snapshot(i).num_running for i in view.instances())))
-    cluster = LocalCluster(model, tok, pol, EngineConfig(kv_cache_tokens=2048))
+    cluster = LocalCluster(model, tok, pol, EngineConfig(dtype="float32", kv_cache_tokens=2048))
     assert cluster.wake_delay() is None
     assert run(cluster) == reference(tiny)
     assert len(ticks) >= 2 and all(b[0] - a[0] >= 0.002 for a, b in zip(ticks, ticks[1:]))
@@ -153,7 +153,7 @@ def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp
     route = policy.global_scheduler.route
     policy.global_scheduler.route = lambda req, view, now: seen.append(req) or route(req, view, now)
     log = DecisionLog()
-    cluster = LocalCluster(model, tok, policy, EngineConfig(kv_cache_tokens=2048), decisions=log)
+    cluster = LocalCluster(model, tok, policy, EngineConfig(dtype="float32", kv_cache_tokens=2048), decisions=log)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     first = [(5 * j) % 200 + 3 for j in range(40)]
     cluster.add_request("t0", first, greedy, session="chat-1", task="chat")

@@ -90,7 +90,7 @@ def test_real_engine_sleeps_until_the_window_closes_instead_of_spinning(tmp_path
     ckpt = load_checkpoint(d)
     model = CausalLM(ckpt.config)
     model.load_weights(ckpt.weights)
-    cluster = LocalCluster(model, ckpt.tokenizer, policy(), EngineConfig(kv_cache_tokens=1024))
+    cluster = LocalCluster(model, ckpt.tokenizer, policy(), EngineConfig(dtype="float32", kv_cache_tokens=1024))
     calls = {"n": 0}
     sched = cluster.engines[0].scheduler
     original = sched.schedule
@@ -156,10 +156,10 @@ def test_local_cluster_moves_decodes_with_identical_tokens(tmp_path):
     model.load_weights(ckpt.weights)
     cfg = BatchConfig()
     pol = Policy("arrow-like", MoveEveryOther(), [Role.MIXED, Role.MIXED], {Role.MIXED: cfg})
-    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(kv_cache_tokens=1024))
+    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(dtype="float32", kv_cache_tokens=1024))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[3 + i, 5, 7, 9, 11 + i] for i in range(4)]
-    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(kv_cache_tokens=1024)).generate(prompts, params)
+    ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=1024)).generate(prompts, params)
     for i, p in enumerate(prompts):
         c.add_request(f"r{i}", p, params)
     got: dict[str, list[int]] = {}

@@ -116,6 +116,11 @@ class FlowyardSelector(DynaServeSelector):
             self._waiting_tokens -= sum(e[3] for e in taken)
         return plan
 
+    def allows_run(self) -> bool:
+        """No multi-step decode run while prompts wait: S-EDF's ranking and the KV admission
+        rule are redone at every step, so a run would not be the steps it stands for."""
+        return not self._waiting
+
     def executed(self, plan, out: StepOutput) -> None:
         """Record the step in every profile table (they differ only in the SLO they answer for)."""
         if self._composed is not None and len(out.end_times):
