@@ -17,8 +17,8 @@ while the cluster runs. The parts:
   Arrow's minimal-load dispatch (`pools="minload"`, Fig. 8). Arrow's per-request SLO-aware flips
   and monitor (`pools="slo"`) are off by default: on 4 instances under a 25 ms TPOT they
   drifted to 1P3D (an idle prefill instance flips to decode while decode is busy; decode at
-  that TPOT never looks "low" enough to flip one back) and lost up to 3× goodput on our suite;
-  the regime switch is the elastic move that is kept.
+  that TPOT never looks "low" enough to flip one back) and lost up to 2.2× goodput in
+  development runs (BurstGPT, arXiv at 25 ms TPOT); the regime switch is the elastic move kept.
 - **Colocated regime: least predicted prefill delay.** A new request goes to the instance
   with the least predicted queueing delay (Arrow's quadratic TTFT predictor over its prefill
   queue, stretched by the decodes that share its steps), then the fewest running tokens.
