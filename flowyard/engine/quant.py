@@ -9,18 +9,20 @@ int4 quarters it. The kernels are torch's own maintained CPU ones, not loops of 
         asymmetric per group of `INT4_GROUP_SIZE` input columns, w = (q - 8) * s + z
 
 Both compute in the activation dtype and take no bias (we add it). They only pay while few
-rows share the weights: with many rows oneDNN's bfloat16 GEMM is compute-bound and faster
-(measured on the 2-core Sapphire Rapids VM, one decode step's linears, best of 15 sweeps over
-30 distinct layers: 1 row bf16 16.2 ms, int8 11.3, int4 6.0; 32 rows bf16 64, int8 84,
-int4 66; 1,024 rows bf16 1.35 s, int8 1.86 s, int4 3.9 s; see benchmarks/results/
-engine_quant.md). So a call with more than `MAX_QUANT_ROWS[mode]` rows (prefill chunks, large
-decode batches) runs PackedLinear on the bfloat16 weights instead. To keep that one model,
-`quantize_model` writes the dequantised values back into the weights: both paths multiply by
-the same quantised weights, the bfloat16 path rounded to bfloat16.
+rows share the weights: with many rows oneDNN's bfloat16 GEMM is compute-bound and faster.
+Measured on the 2-core Sapphire Rapids VM (benchmarks/quant_kernels.py: one decode step's
+layer linears over 30 distinct layers, ms, bf16 / int8 / int4): 1 row 13.7 / 9.1 / 4.8;
+4 rows 15.8 / 11.9 / 7.9; 8 rows 21.4 / 22.5 / 14.0; 16 rows 29.7 / 36.4 / 26.3; 32 rows
+50.4 / 62.9 / 51.6; 1,024 rows 1,273 / 1,738 / 1,622. So a call with more than
+`MAX_QUANT_ROWS[mode]` rows (prefill chunks, larger decode batches) runs PackedLinear on the
+bfloat16 weights instead. To keep that one model, `quantize_model` writes the dequantised
+values back into the weights: both paths multiply by the same quantised weights, the
+bfloat16 path rounded to bfloat16.
+Engine numbers: benchmarks/results/engine_quant.md.
 
 Group size 32: the embedded GGUF is Q4_1, 4-bit min/max codes per group of 32, so int4 at
 32 lands on the file's own grid (a larger group would requantise, and lose, a second time;
-64 was at most 5 % faster). We requantise from the dequantised floats the loader hands us
+64 was at most 3 % faster). We requantise from the dequantised floats the loader hands us
 (after the engine's cast to bfloat16) rather than repacking llama.cpp blocks: simpler, and
 from float32 it gives the Q4_1 weights back exactly; from bfloat16, with bfloat16 scales,
 the mean error is about twice what the bfloat16 cast alone adds. int8 per output channel is
@@ -40,7 +42,7 @@ from flowyard.engine.model import CausalLM, PackedLinear
 QUANTIZATION_MODES = ("int8", "int4")
 INT4_GROUP_SIZE = 32
 # Rows up to which the quantised kernel beats bfloat16 PackedLinear (measured, see above).
-MAX_QUANT_ROWS = {"int8": 8, "int4": 32}
+MAX_QUANT_ROWS = {"int8": 4, "int4": 16}
 
 
 def check_quantization(mode: str | None) -> None:
@@ -180,9 +182,10 @@ def _version(weight: torch.Tensor) -> int:
 
 def _layer_weights(model: CausalLM) -> list[torch.Tensor]:
     """The decoder layers' linear weights. The lm_head (SmolLM2: the tied embedding) stays
-    bfloat16: int4 saved 1.6 ms of a ~28 ms token but made greedy tokens diverge earlier (the
-    file stores it as Q8_0, which 4-bit groups of 32 do not reproduce: 7x the error of int8);
-    int8 saved 0.4 ms, not worth a second copy of 28 M weights."""
+    bfloat16. Quantised too, int4 decoded one stream at 88.5 tok/s instead of 78, but greedy
+    tokens left bfloat16's after 8 tokens on average instead of 22 (8 chat prompts x 64
+    tokens; the file stores it as Q8_0, which 4-bit groups do not reproduce); int8 gained
+    0.2 ms a token, not worth a second copy of 28 M weights."""
     return [w for layer in model.layers
             for w in (layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight)]
 
