@@ -8,6 +8,7 @@ Measures, each as the best of --repeat runs (the VM is noisy):
   1,000-token prefill tok/s    (time to the first token of one 1,000-token prompt)
   peak RSS of `flowyard serve` (default model and settings, after a few requests)
 Run: python benchmarks/engine_cpu.py [--repeat 2] [--skip-rss] [--skip-hf] [--configs bfloat16/grouped]
+A config is dtype/attention[/quantization], e.g. bfloat16/paged/int4 (EngineConfig.quantization).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def best(fn, repeat: int) -> float:
     return max(fn() for _ in range(repeat))
 
 
-def ours(dtype: str, attention: str, repeat: int) -> dict[str, float]:
-    engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, attention=attention, kv_cache_memory_mb=512))
+def ours(dtype: str, attention: str, repeat: int, quantization: str | None = None) -> dict[str, float]:
+    engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, attention=attention, kv_cache_memory_mb=512,
+                                                    quantization=quantization))
     prompt = list(range(1000, 1030))
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))  # warm up
 
@@ -77,7 +79,8 @@ def ours(dtype: str, attention: str, repeat: int) -> dict[str, float]:
 
     # A fresh engine without prefix caching, so every repeat really prefills.
     engine_nc = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
-        dtype=dtype, attention=attention, enable_prefix_caching=False, kv_cache_memory_mb=64))
+        dtype=dtype, attention=attention, enable_prefix_caching=False, kv_cache_memory_mb=64,
+        quantization=quantization))
 
     def prefill() -> float:
         long = [(i * 7) % 40000 + 100 for i in range(1000)]
@@ -147,7 +150,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--configs", default="float32/exact,bfloat16/exact,bfloat16/grouped",
-                    help="comma-separated dtype/attention rows to run")
+                    help="comma-separated dtype/attention[/int8|int4] rows to run")
     ap.add_argument("--skip-hf", action="store_true", help="do not time transformers")
     args = ap.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -157,12 +160,12 @@ def main() -> None:
         hf32 = transformers_single(torch.float32, args.repeat)
         hf16 = transformers_single(torch.bfloat16, args.repeat)
     print(f"transformers generate single-stream: float32 {hf32:.1f} tok/s, bfloat16 {hf16:.1f} tok/s")
-    rows = [tuple(c.split("/")) for c in args.configs.split(",")]
+    rows = [(c.split("/") + [None])[:3] for c in args.configs.split(",")]  # dtype, attention, quantization
     print(f"\n{'flowyard config':<20} {'single tok/s':>12} {'x hf fp32':>9} {'32-stream tok/s':>15} "
           f"{'(decode only)':>13} {'1k prefill tok/s':>16}")
-    for dtype, attn in rows:
-        r = ours(dtype, attn, args.repeat)
-        print(f"{dtype + '/' + attn:<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
+    for dtype, attn, quant in rows:
+        r = ours(dtype, attn, args.repeat, quant)
+        print(f"{'/'.join(x for x in (dtype, attn, quant) if x):<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
               f"{r['streams32']:>15.1f} {r['decode32']:>13.1f} {r['prefill']:>16.1f}")
     print(f"\ntargets: single >= 3x transformers (here {3 * hf32:.1f}) and > vLLM CPU 17-19; "
           f"32 streams >= {TARGETS['streams32']:.0f}; prefill >= {TARGETS['prefill']:.0f}; serve RSS < 1536 MiB")
