@@ -88,8 +88,27 @@ def ours(dtype: str, attention: str, repeat: int, quantization: str | None = Non
         engine_nc.generate([long], SamplingParams(max_tokens=1, temperature=0))
         return 1000 / (time.perf_counter() - t)
 
+    def ctx_step(ctx: int) -> float:
+        """Seconds of one 8-stream decode step at `ctx`-token contexts (best of 8 steps)."""
+        rep = len(decode_rates) + ctx
+        prompts = [[(i * 977 + j * 13 + rep) % 40000 + 100 for j in range(ctx)] for i in range(8)]
+        for i, p in enumerate(prompts):
+            engine.add_request(f"ctx-{ctx}-{rep}-{i}", p, SamplingParams(max_tokens=10, temperature=0,
+                                                                            ignore_eos=True))
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            outs = engine.step()
+            plan = engine.last_plan
+            if plan is not None and not plan.prefills and len(plan.decodes) == 8:
+                times.append(time.perf_counter() - t)
+            del outs
+        return min(times)
+
+    step16 = min(ctx_step(16) for _ in range(repeat))
+    step1k = min(ctx_step(1024) for _ in range(repeat))
     return {"single": best(single, repeat), "streams32": best(streams, repeat), "decode32": max(decode_rates),
-            "prefill": best(prefill, repeat)}
+            "prefill": best(prefill, repeat), "step16": step16, "step1k": step1k}
 
 
 def transformers_single(dtype: torch.dtype, repeat: int) -> float:
@@ -149,7 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-rss", action="store_true")
-    ap.add_argument("--configs", default="float32/exact,bfloat16/exact,bfloat16/grouped",
+    ap.add_argument("--configs", default="float32/paged,bfloat16/paged,bfloat16/grouped,bfloat16/exact",
                     help="comma-separated dtype/attention[/int8|int4] rows to run")
     ap.add_argument("--skip-hf", action="store_true", help="do not time transformers")
     args = ap.parse_args()
@@ -162,11 +181,12 @@ def main() -> None:
     print(f"transformers generate single-stream: float32 {hf32:.1f} tok/s, bfloat16 {hf16:.1f} tok/s")
     rows = [(c.split("/") + [None])[:3] for c in args.configs.split(",")]  # dtype, attention, quantization
     print(f"\n{'flowyard config':<20} {'single tok/s':>12} {'x hf fp32':>9} {'32-stream tok/s':>15} "
-          f"{'(decode only)':>13} {'1k prefill tok/s':>16}")
+          f"{'(decode only)':>13} {'1k prefill tok/s':>16} {'8x16 step ms':>12} {'8x1k step ms':>12} {'ratio':>6}")
     for dtype, attn, quant in rows:
         r = ours(dtype, attn, args.repeat, quant)
         print(f"{'/'.join(x for x in (dtype, attn, quant) if x):<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
-              f"{r['streams32']:>15.1f} {r['decode32']:>13.1f} {r['prefill']:>16.1f}")
+              f"{r['streams32']:>15.1f} {r['decode32']:>13.1f} {r['prefill']:>16.1f} {r['step16'] * 1e3:>12.1f} "
+              f"{r['step1k'] * 1e3:>12.1f} {r['step1k'] / r['step16']:>6.2f}")
     print(f"\ntargets: single >= 3x transformers (here {3 * hf32:.1f}) and > vLLM CPU 17-19; "
           f"32 streams >= {TARGETS['streams32']:.0f}; prefill >= {TARGETS['prefill']:.0f}; serve RSS < 1536 MiB")
     print("published (issue 3, CI-kind machine):", PUBLISHED)
