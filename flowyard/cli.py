@@ -54,8 +54,9 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="closed loop: a client waits S s after each response (needs --concurrency)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--calibration", default="vidur", choices=("vidur", "published"),
-                   help="roofline factors: 'vidur' (default) or 'published' (see `flowyard validate`)")
+    g.add_argument("--calibration", default="published", choices=("vidur", "published"),
+                   help="roofline factors: 'published' (default, fitted on published GPU "
+                        "measurements: `flowyard validate`) or 'vidur'")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

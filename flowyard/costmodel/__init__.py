@@ -16,24 +16,25 @@ from pathlib import Path
 
 from flowyard.costmodel.base import LAYER_OPS, STEP_OPS, CostModel
 from flowyard.costmodel.catalog import CatalogError
-from flowyard.costmodel.hardware import (CALIBRATIONS, HARDWARE, HARDWARE_NAMES, HardwareSpec,
-                                         RooflineParams, calibrated, get_hardware)
+from flowyard.costmodel.hardware import (CALIBRATIONS, DEFAULT_CALIBRATION, HARDWARE,
+                                         HARDWARE_NAMES, HardwareSpec, RooflineParams,
+                                         calibrated, get_hardware)
 from flowyard.costmodel.link import Link, kv_transfer_time
 from flowyard.costmodel.models import MODEL_NAMES, MODELS, ModelSpec, get_model
 from flowyard.costmodel.roofline import RooflineCostModel
 
 __all__ = [
-    "CALIBRATIONS", "CatalogError", "CostModel", "HARDWARE", "HARDWARE_NAMES", "HardwareSpec", "LAYER_OPS",
+    "CALIBRATIONS", "DEFAULT_CALIBRATION", "CatalogError", "CostModel", "HARDWARE", "HARDWARE_NAMES", "HardwareSpec", "LAYER_OPS",
     "Link", "MODELS", "MODEL_NAMES", "ModelSpec", "RooflineCostModel", "RooflineParams",
     "STEP_OPS", "calibrated", "get_hardware", "get_model", "kv_transfer_time", "make_cost_model",
 ]
 
 
 def make_cost_model(model: str | Path | ModelSpec, hardware: str | HardwareSpec, tp: int = 1,
-                    calibration: str = "vidur", **kwargs: float) -> RooflineCostModel:
+                    calibration: str = DEFAULT_CALIBRATION, **kwargs: float) -> RooflineCostModel:
     """The roofline cost model for a model (catalog name, config.json path or spec) on a TP
     group of `tp` GPUs of `hardware`; `calibration` names the factor set (CALIBRATIONS:
-    'vidur', the default, or 'published', refitted on published GPU measurements); kwargs
+    'published', the default, refitted on published GPU measurements, or 'vidur'); kwargs
     override efficiency factors (see RooflineParams) or pass gpu_mem_util /
     activation_reserve_bytes / dtype_bytes."""
     return RooflineCostModel(get_model(model), calibrated(get_hardware(hardware), calibration),

@@ -53,6 +53,8 @@ class Point:
     hi: float | None = None                      # set: `measured` is the low end of a range
     note: str = ""
     from_figure: bool = False
+    kernel: str = ""                             # a measured kernel with its own terms
+                                                 # (hardware.KERNEL_TERMS), e.g. Vidur's
 
     @property
     def is_range(self) -> bool:
@@ -62,15 +64,17 @@ class Point:
 def _vidur_attn(kind: str, measured_ms: float, *, chunk: int = 0, kv: int = 0, batch: int = 0,
                 ctx: int = 0) -> Point:
     """A row of Vidur's A100 attention profile: n_embd 8192, 64 q / 8 kv heads, TP 2 (the
-    Llama-3-70B shape), FlashAttention backend, Kineto; median of the row (ms)."""
+    Llama-3-70B shape), FlashAttention backend, Kineto; median of the row (ms). Priced with
+    the terms of that profiled kernel (hardware.KERNEL_TERMS['vidur-profile'])."""
     path, commit = VIDUR_ATTENTION
     src = f"{VIDUR_REPO}:{path}@{commit[:12]}"
     if kind == "attn_prefill":
         return Point(f"vidur attn prefill {chunk} new + {kv} cached", kind, "llama-3-70b",
                      "a100-80g", 2, measured_ms, "ms", src, prefills=((kv, chunk),),
-                     note="attn_prefill median, batch 1")
+                     note="attn_prefill median, batch 1", kernel="vidur-profile")
     return Point(f"vidur attn decode {batch} x ctx {ctx}", kind, "llama-3-70b", "a100-80g", 2,
-                 measured_ms, "ms", src, decodes=((batch, ctx),), note="attn_decode median")
+                 measured_ms, "ms", src, decodes=((batch, ctx),), note="attn_decode median",
+                 kernel="vidur-profile")
 
 
 # Vidur cpu_overheads.csv, tensor_parallel_degree 1: medians (ms) of SCHEDULE, SAMPLER_E2E,

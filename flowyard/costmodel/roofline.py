@@ -17,7 +17,7 @@ rows, vocab-parallel embedding and lm_head), with T = prefill_tokens + decode_se
   allreduce  2 per layer: 2*(latency + 2(tp-1)/tp * T*h*b / (link_bw*ar_eff))
   step       embed (gather T rows), lm_head on rows that sample (prefill_seqs +
              decode_seqs) after the final norm, logits all-gather, and a CPU overhead of
-             step_overhead_s + seq_overhead_s * sequences.
+             step_overhead_s + (seq_overhead_s + seq_overhead_layer_s * layers) * sequences.
 
 KV heads are split across the TP group while kv_heads >= tp and replicated (one per GPU)
 beyond that, as vLLM does. The total is computed directly in `step_time` (no dicts) because
@@ -115,7 +115,8 @@ class RooflineCostModel(CostModel):
         self._lm_gather = self._gather_row  # logits all-gather, per sampled row
         self._lm_norm = 2 * h * b / elem
         self._lm_c = p.gemm_fixed_s + p.launch_s + self._ar_c / 2
-        self._ovh_c, self._ovh_seq = p.step_overhead_s, p.seq_overhead_s
+        self._ovh_c = p.step_overhead_s
+        self._ovh_seq = p.seq_overhead_s + p.seq_overhead_layer_s * m.layers
         self._rows_c = self._lm_gather + self._ovh_seq
         self._row_c = self._lin_elem + self._attn_elem + self._ar_row
         # What a graph replay saves: per-kernel launches of every layer and the CPU step time.

@@ -15,7 +15,7 @@ from flowyard.cluster.timeline import Timeline
 from flowyard.core.metrics import Summary, summarize
 from flowyard.core.plan import StepPlan
 from flowyard.core.request import SLO
-from flowyard.costmodel import Link, get_hardware, make_cost_model
+from flowyard.costmodel import DEFAULT_CALIBRATION, Link, get_hardware, make_cost_model
 from flowyard.costmodel.base import CostModel, with_error
 from flowyard.policies.registry import Policy, PolicyOptions, build_policy
 from flowyard.sim.arrivals import ClosedLoop
@@ -69,7 +69,7 @@ class SimConfig:
     # think_time seconds after its previous one ends; trace arrival times are then ignored.
     concurrency: int | None = None
     think_time: float = 0.0
-    calibration: str = "vidur"  # roofline factor set (costmodel.CALIBRATIONS); see `flowyard validate`
+    calibration: str = DEFAULT_CALIBRATION  # roofline factor set (costmodel.CALIBRATIONS); `flowyard validate`
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
