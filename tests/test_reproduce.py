@@ -45,6 +45,11 @@ def test_report_has_tables_paper_numbers_and_provenance(quick_report):
     assert f"`flowyard reproduce flowprefill --out {quick_report} --quick`" in md
     assert "s of wall time" in md and "Quick mode" in md
     assert "## Where and why ours differ" in md and "TTFT SLO attainment" in md
+    # Figs. 3 and 4 from the cost model; the other unreproduced figures each with a reason
+    assert "## Figs. 3 and 4: lone prefills priced by the cost model" in md and "**Fig. 3**" in md
+    for fig in ("Fig. 13", "Fig. 14", "Fig. 16", "Fig. 17"):
+        assert fig in md.split("Figures not reproduced, and why")[1], fig
+    assert "## What changed since the previous report" in md
     for system in ("FlowPrefill", "DistServe", "DistServe-CP2K", "DistServe-CP8K", "vLLM-CP2K (colocated)"):
         assert f"| {system} |" in md
 

@@ -27,8 +27,19 @@ def tiny(tmp_path_factory):
 def test_report_figures_and_results(tiny):
     res, md_path, out = tiny
     md = md_path.read_text(encoding="utf-8")
-    for section in ("Table 1", "Fig. 8", "Fig. 9", "Table 2", "Table 4", "Chunked KV", "Why ours differ"):
+    for section in ("Headline", "Table 1", "Fig. 8", "Fig. 9", "Table 2", "Table 4", "Chunked KV", "Why ours differ",
+                    "Figures not reproduced, and why", "What changed since the previous report"):
         assert f"## {section}" in md
+    # every headline verdict is computed, with a band on both sides (or not measured)
+    from flowyard.experiments.report import verdict_rows
+
+    verdicts = verdict_rows(md)
+    assert len(verdicts) >= 7 and any(c.startswith("Fig. 6 LCU") for c in verdicts)
+    assert all(v.startswith(("reproduced", "not reproduced: ", "not measured")) for v in verdicts.values()), verdicts
+    assert next(v for c, v in verdicts.items() if c.startswith("Fig. 6 LCU")).startswith("reproduced")
+    gone = md.split("## Figures not reproduced, and why")[1]
+    for fig in ("Fig. 3", "Fig. 5", "Fig. 6", "Fig. 10", "Fig. 11", "Table 3"):
+        assert f"**{fig}**" in gone, fig
     for png in ("fig8_goodput.png", "fig9_capacity.png"):
         assert (out / "dynaserve" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(dynaserve/{png})" in md

@@ -3,7 +3,8 @@ Llama-3.1-8B on 8 simulated H800, the four Table 1 workloads with their SLOs, ra
 Arrow's method (trace timestamps × 1/scale).
 
 Systems (8 GPUs each): Arrow (`arrow`, 8 stateless TP1 instances, starting 4P4D), vLLM
-colocated (`vllm`, one TP8 instance), vLLM-disaggregated (`distserve` 1P1D at TP4) and
+colocated as the paper ran it (`vllm`, one TP8 instance) and as users deploy an 8B model on 8
+GPUs (`vllm`, 8 data-parallel TP1 instances behind vLLM's DP balancer), vLLM-disaggregated (`distserve` 1P1D at TP4) and
 DistServe (`distserve` 4P4D at TP1). Metric: SLO attainment (TTFT and TPOT both met); the
 goodput is the highest rate with attainment >= 90 % (`threshold_search` around a plotted grid).
 Also: P90 TTFT and TPOT per rate, the Fig. 8 ablation (arrow vs arrow-minload vs arrow-rr) and
@@ -36,10 +37,12 @@ MODEL, HARDWARE, TARGET = "llama-3.1-8b", "h800", 0.9
 SYSTEMS: dict[str, tuple[str, int, int, int | None]] = {
     "Arrow": ("arrow", 8, 1, None),
     "vLLM (TP8)": ("vllm", 1, 8, None),
+    "vLLM DP8 (8× TP1)": ("vllm", 8, 1, None),
     "vLLM-disagg. 1P1D (TP4)": ("distserve", 2, 4, 1),
     "DistServe 4P4D": ("distserve", 8, 1, 4),
 }
 ARROW, VLLM, DISAGG = "Arrow", "vLLM (TP8)", "vLLM-disagg. 1P1D (TP4)"
+VLLM_DP = "vLLM DP8 (8× TP1)"
 #: Fig. 8: label -> policy, all on 8 TP1 instances (the static ones split 4P4D)
 ABLATION: dict[str, str] = {"SLO-aware (arrow)": "arrow", "Minimal load": "arrow-minload",
                             "Round robin": "arrow-rr"}

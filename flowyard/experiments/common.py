@@ -29,7 +29,7 @@ from flowyard.policies.registry import build_policy
 from flowyard.sim.run import SimConfig, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError
 from flowyard.experiments.report import (BAND, Report, band_verdict, bar_panel, curve_panel,  # noqa: F401
-                                         figure, fmt_ms, fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
+                                         figure, gain_verdict, fmt_ms, fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
 from flowyard.workloads import Workload
 
 Log = Callable[[str], None]

@@ -37,28 +37,35 @@ TURNS_MEAN, MAX_NEW_TOKENS, MAX_CONTEXT = 4.0, 64, 32768
 DISTILL_OUTPUT = 1024  # Table 2: 1K decode tokens per reply
 #: cluster name -> (prefill instances, decode instances); data parallel gets P + D instances
 CLUSTERS = {"1P": (1, 1), "8P": (8, 8)}
-#: label -> (registry policy, PLA knobs, round-robin prefill router)
-Variant = tuple[str, "PLAConfig | None", bool]
+#: label -> (registry policy, PLA knobs, global scheduler: "" the policy's own, "rr" round-robin
+#: prefill dispatch, "affinity" PLA's session-affine dispatcher (same rule and tolerance as
+#: `pla`: a later turn goes back to the instance holding its history unless that is clearly
+#: worse) over DistServe's least-queued choice; both decode as DistServe)
+Variant = tuple[str, "PLAConfig | None", str]
+AFFINE = "affinity"
 FIG6: dict[str, Variant] = {
-    "SGLang-like PD (distserve)": ("distserve", None, False),
-    "PLA, graphs only": ("pla", PLAConfig(boundary=NO_SPLIT), False),
-    "PLA, disaggregation only": ("pla", PLAConfig(graphs=False), False),
-    "PLA, full (pla)": ("pla", None, False),
-    "PLA, full spatial (pla-spatial)": ("pla-spatial", None, False),
+    "SGLang-like PD (distserve)": ("distserve", None, ""),
+    "PD + session affinity": ("distserve", None, AFFINE),
+    "PLA, graphs only": ("pla", PLAConfig(boundary=NO_SPLIT), ""),
+    "PLA, disaggregation only": ("pla", PLAConfig(graphs=False), ""),
+    "PLA, full (pla)": ("pla", None, ""),
+    "PLA, full spatial (pla-spatial)": ("pla-spatial", None, ""),
 }
 FIG7: dict[str, Variant] = {
-    "PD + round-robin router": ("distserve", None, True),
-    "PD + load-balancing router (distserve)": ("distserve", None, False),
-    "vanilla DP (vllm)": ("vllm", None, False),
-    "DP + least-load router": ("least-load", None, False),
-    "PLA (pla)": ("pla", None, False),
-    "PLA spatial (pla-spatial)": ("pla-spatial", None, False),
+    "PD + round-robin router": ("distserve", None, "rr"),
+    "PD + load-balancing router (distserve)": ("distserve", None, ""),
+    "PD + session affinity": ("distserve", None, AFFINE),
+    "vanilla DP (vllm)": ("vllm", None, ""),
+    "DP + least-load router": ("least-load", None, ""),
+    "PLA (pla)": ("pla", None, ""),
+    "PLA spatial (pla-spatial)": ("pla-spatial", None, ""),
 }
 DISTILL: dict[str, Variant] = {
-    "SGLang-like PD (distserve)": ("distserve", None, False),
-    "PLA deadline-free (pla)": ("pla", PLAConfig(deadline_free=True), False),
+    "SGLang-like PD (distserve)": ("distserve", None, ""),
+    "PLA deadline-free (pla)": ("pla", PLAConfig(deadline_free=True), ""),
 }
 BASELINE, FULL_PLA = "SGLang-like PD (distserve)", "PLA, full (pla)"
+AFFINE_PD = "PD + session affinity"
 
 
 @dataclass(frozen=True)
@@ -156,12 +163,14 @@ class Runner:
         self.tally, self.log = tally, log
 
     def point(self, w: Workload, v: Variant, prefill: int, decode: int, conc: int, what: str) -> CLPoint:
-        name, pla, rr = v
+        name, pla, router = v
         cfg = SimConfig(model=MODEL, hardware=HARDWARE, instances=prefill + decode, prefill_instances=prefill,
                         policy=name, prefix_caching=True, concurrency=conc)
         pol = build_policy(name, policy_options(cfg, self.cost, pla=pla))
-        if rr:
+        if router == "rr":
             pol.global_scheduler = RoundRobinPD()  # prefill dispatch in turn; decode as distserve
+        elif router == AFFINE:  # `pla`'s global scheduler: least-queued + session affinity, DistServe decode
+            pol.global_scheduler = build_policy("pla", policy_options(cfg, self.cost)).global_scheduler
         computed: dict[int, int] = {}  # request id -> prompt tokens prefilled (cache hits excluded)
 
         def trace(_instance, plan, _steps) -> None:
@@ -231,8 +240,8 @@ def _sweep(run: Runner, w: Workload, variants: dict[str, Variant], cluster: str,
     p, d = CLUSTERS[cluster]
     out: dict[str, list[tuple[int, CLPoint]]] = {}
     for label, v in variants.items():
-        if v[0] == "pla-spatial" and p < 2:
-            continue  # two pools need two prefill instances
+        if (v[0] == "pla-spatial" or v[2] == AFFINE) and p < 2:
+            continue  # two pools need two prefill instances; one prefill instance is every turn's home
         out[label] = [(c, run.point(w, v, p, d, c, f"[{tag}] {cluster} {label}")) for c in concs]
     return out
 
@@ -243,7 +252,8 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     run = Runner(tally, log)
     res = Results(s, seed, float(run.lengths.prefill_boundary()))
     for cluster in CLUSTERS:  # Fig. 6: ShareGPT, prefill stage (replies of one token)
-        w = conversations("sharegpt", s.fig6_requests[cluster], seed, output_cap=1)
+        # no SLO: the paper sets none for Fig. 6 (its TTFT SLO of 0.4 s is Fig. 7's)
+        w = conversations("sharegpt", s.fig6_requests[cluster], seed, output_cap=1, ttft=None)
         res.workloads[f"fig6 {cluster}"] = workload_stats(w, run.lengths)
         say(f"[fig 6] {cluster}: {len(w.requests)} requests")
         res.fig6[cluster] = _sweep(run, w, FIG6, cluster, s.fig6_conc, "fig 6")

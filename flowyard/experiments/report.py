@@ -42,21 +42,62 @@ BAND = 1.5
 
 def band_verdict(ours: float | Iterable[float], lo: float | None, hi: float, band: float = BAND) -> str:
     """"reproduced" when every one of `ours` lies in the paper's range [lo, hi] widened by `band`
-    each way (lo None: the paper says "up to hi", read as (1, hi]); the band is in the text.
-    A zero, negative or non-finite value is "not measured", never reproduced, so a run that
-    produced nothing cannot pass."""
+    each way. lo None: the paper says "up to hi", its best case, so our best case (the largest of
+    `ours`) must lie in [hi / band, hi * band] and none above it: a ratio with no gain is not a
+    reproduction of "up to 2x". The band is in the text. A zero, negative or non-finite value is
+    "not measured", never reproduced, so a run that produced nothing cannot pass."""
     v = [ours] if isinstance(ours, (int, float)) else list(ours)
-    low = 1.0 if lo is None else lo
+    low = hi if lo is None else lo
     if not (band >= 1 and 0 < low <= hi):
         raise ValueError(f"bad band {band} or paper range [{lo}, {hi}]")
     if not v or any(not (math.isfinite(x) and x > 0) for x in v):
         return "not measured (a zero or missing value)"
     a, b = low / band, hi * band
-    shown = f"ours {fmt_range(v)}; band {a:.2g}×–{b:.2g}×"
-    if all(a <= x <= b for x in v):
+    shown = f"ours {fmt_range(v)}; band {a:.2g}×–{b:.2g}×" + (" for the best" if lo is None else "")
+    judged = [max(v)] if lo is None else v
+    if all(a <= x <= b for x in judged):
         return f"reproduced ({shown})"
-    side = "above" if min(v) > b else "below" if max(v) < a else "partly outside"
+    side = "above" if min(judged) > b else "below" if max(judged) < a else "partly outside"
     return f"not reproduced: {side} ({shown})"
+
+
+def gain_verdict(ours: float, paper: float, band: float = BAND, unit: str = "%") -> str:
+    """Verdict on an improvement the paper states as one number (a % gain, or points of a rate):
+    "reproduced" when ours lies in [paper / band, paper * band], so too large a gain fails as
+    surely as too small a one (+70 % against +33 % is above a 1.5x band's +49.5 %). A gain of 0
+    or the other way is "not reproduced"; a missing value is "not measured"."""
+    if not (band >= 1 and paper > 0):
+        raise ValueError(f"bad band {band} or paper value {paper}")
+    if not math.isfinite(ours):
+        return "not measured (a missing value)"
+    a, b = paper / band, paper * band
+    shown = f"ours {ours:+.1f} {unit}; band +{a:.3g}–{b:.3g} {unit}"
+    if ours <= 0:
+        return f"not reproduced: {'none' if ours == 0 else 'the other way'} ({shown})"
+    if a <= ours <= b:
+        return f"reproduced ({shown})"
+    return f"not reproduced: {'above' if ours > b else 'below'} ({shown})"
+
+
+def verdict_rows(markdown: str) -> dict[str, str]:
+    """claim -> verdict of every table in `markdown` whose last column is "ours vs paper"."""
+    out: dict[str, str] = {}
+    on = False
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            on = False
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[-1] == "ours vs paper":
+            on = True
+        elif on and not set(cells[0]) <= set("-") and cells[-1]:
+            out[cells[0]] = cells[-1]
+    return out
+
+
+def _kind(verdict: str) -> str:
+    """The conclusion of a verdict without its numbers: the text before its first '('."""
+    return verdict.split("(")[0].strip(" :;")
 
 
 # ------------------------------------------------------------------------------- report
@@ -91,12 +132,33 @@ class Report:
         self.fig_dir = self.out_dir / name
         self.fig_dir.mkdir(parents=True, exist_ok=True)
         self.parts: list[str] = []
+        old = self.out_dir / f"{name}.md"
+        #: the report this one replaces (its text), for `changes`
+        self.previous = old.read_text(encoding="utf-8") if old.exists() else ""
 
     def add(self, *texts: str) -> None:
         self.parts.extend(texts)
 
     def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
         self.parts.append(md_table(headers, rows))
+
+    def changes(self) -> None:
+        """A closing section: the verdicts that changed from the report this run overwrites (read
+        from both reports' "ours vs paper" columns), and the claims new or gone."""
+        old, new = verdict_rows(self.previous), verdict_rows("\n\n".join(self.parts))
+        import re
+
+        m = re.search(r"(?:flowyard|revision) ([0-9a-f]{7,40}(?: \+ uncommitted changes)?)", self.previous)
+        rev = m.group(1) if m else ""
+        lines = [f"- {c}: {_kind(old[c]) or '–'} → **{_kind(v) or '–'}** ({v})"
+                 for c, v in new.items() if c in old and _kind(old[c]) != _kind(v)]
+        lines += [f"- new claim: {c}: {v}" for c, v in new.items() if c not in old]
+        lines += [f"- no longer a claim: {c} (was: {v})" for c, v in old.items() if c not in new]
+        same = sum(1 for c, v in new.items() if c in old and _kind(old[c]) == _kind(v))
+        self.add("## What changed since the previous report",
+                 ("No previous report at this path." if not self.previous else
+                  f"Against the report this run replaced{f' ({rev})' if rev else ''}: {same} verdict(s) "
+                  f"unchanged, {len(lines)} change(s)" + (":\n\n" + "\n".join(lines) if lines else ".")))
 
     def figure_path(self, file: str) -> Path:
         return self.fig_dir / file
