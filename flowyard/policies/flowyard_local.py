@@ -33,16 +33,18 @@ from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, Pr
 from flowyard.policies.order import QueueOrder
 from flowyard.policies.slack import TTFTPredictor
 
+INF = float("inf")
+
 
 class FlowyardSelector(DynaServeSelector):
     """Chunked prefill in `order` with a per-step budget bounded by the decodes' TPOT SLO."""
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
-                 headroom: float = 0.9, min_prefill: int = 64) -> None:
+                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
-        self.chunk, self.tbt_budget = chunk, tbt_budget
+        self.chunk, self.tbt_budget, self.slack = chunk, tbt_budget, slack
         self.order = QueueOrder(order)
         self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
         self._tables: dict[float, ProfileTable] = {}
@@ -64,10 +66,29 @@ class FlowyardSelector(DynaServeSelector):
         else:
             ctx = sum(r.num_computed + 1 for r in ready) / n
             history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
-            budget = self._table(min(tpots)).budget(n, ctx, history)
+            budget = self._table(self._limit(ready, min(tpots), now)).budget(n, ctx, history)
             self._budget = min(self.chunk, max(self.local.min_prefill, budget))
         self.token_budget = n + self._budget
         return self.token_budget
+
+    def _limit(self, ready: list, tpot: float, now: float) -> float:
+        """The TPOT value this step's budget answers for: the tightest SLO, or (`slack`) the
+        largest rung of tpot x 2^k that every decode's banked slack covers. TPOT is a mean
+        ((last - first) / (n - 1)): a decode with k tokens out since its first at f still
+        meets it after a step ending at now + T iff T <= tpot x k - (now - f), so decodes that
+        ran faster than their SLO have banked time a longer prefill step may spend (vLLM's
+        long outputs amortise whole chunks; per-step TBT bounds would starve prefill)."""
+        if not self.slack:
+            return tpot
+        spare = INF
+        for r in ready:
+            t = r.req.slo.tpot
+            if t is not None and r.first_token_time is not None:
+                spare = min(spare, (t * r.num_output - (now - r.first_token_time)) / t)
+        rung = 1.0
+        while rung < 64 and spare >= 2 * rung:
+            rung *= 2
+        return tpot * rung
 
     def select(self, plan: StepPlan, now: float) -> StepPlan:
         """Started and queued prompts ranked together in `order` (module docstring); a static
@@ -132,9 +153,9 @@ class FlowyardSelector(DynaServeSelector):
 
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
-                       max_model_len: int | None = None, max_repeats: int = 512) -> LocalCore:
+                       max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
-    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget)
+    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

@@ -4,30 +4,31 @@ Every instance is stateless (`Role.MIXED`, Arrow §5.2), so whether the cluster 
 disaggregated is a decision of the global scheduler, not of the deployment, and it can change
 while the cluster runs. The parts:
 
-- **Regime controller (ours).** Disaggregation pays only when decodes sharing a step with
-  prefill would miss their TPOT SLO and the prefill it displaces is worth more on instances of
-  its own. Every `period` the controller prices both regimes with the cost model (`wanted`):
-  the prefill tokens/s of colocated steps held within the tightest recent TPOT SLO (DynaServe's
-  TBT budget) against those of N/2 prefill-only instances, for the observed decode load and
-  mean prompt. Loose TPOT, short prompts or long outputs keep the cluster colocated (vLLM's
-  data-parallel deployment, with the parts below); otherwise it splits into Arrow's pools. The
-  switch needs `patience` ticks in a row either way (no flapping).
-- **Disaggregated regime: Arrow's pools.** Half the instances in P, half in D (`arrow.ArrowRouter`
-  over the shared pool model, zero-wait: a flip is bookkeeping on stateless instances), with
-  Arrow's minimal-load dispatch (`pools="minload"`, Fig. 8). Arrow's per-request SLO-aware flips
-  and monitor (`pools="slo"`) are off by default: on 4 instances under a 25 ms TPOT they
-  drifted to 1P3D (an idle prefill instance flips to decode while decode is busy; decode at
-  that TPOT never looks "low" enough to flip one back) and lost up to 2.2× goodput in
-  development runs (BurstGPT, arXiv at 25 ms TPOT); the regime switch is the elastic move kept.
-- **Colocated regime: least predicted prefill delay.** A new request goes to the instance
-  with the least predicted queueing delay (Arrow's quadratic TTFT predictor over its prefill
-  queue, stretched by the decodes that share its steps), then the fewest running tokens.
+- **Regime controller (ours, `flowyard_regime`).** Every `period` it prices colocation and
+  every split of Arrow's pools (1 to N-1 prefill instances) by the load scale each could
+  sustain, from the recent arrival rate, mean prompt, the decodes held in steady state
+  (Little's law on the mean output of finished requests, so a prefill-starved cluster does not
+  look decode-light) and the cost model: prefill tokens/s against arrivals, decodes within the
+  TPOT SLO (and the KV cache) against decodes. Loose TPOT keeps the cluster colocated outright;
+  decode-heavy loads at tight TPOT (short prompts, long outputs) stay colocated, where every
+  instance decodes; prompt-heavy ones split, with as many prefill instances as the balance of
+  the two bottlenecks asks. A change needs `patience` ticks in a row and a 5 % better score.
+- **Disaggregated regime: Arrow's pools, sized by the controller.** Zero-wait flips between
+  P and D (`arrow.ArrowRouter` over the shared pool model: a flip is bookkeeping on stateless
+  instances) and Arrow's minimal-load dispatch (`pools="minload"`, Fig. 8). Arrow's own
+  per-request SLO-aware flips and monitor (`pools="slo"`) are off by default (they fight the
+  priced split); `elastic=False` pins the split at half and half (ablation).
+- **Colocated regime: SLO-aware least decode load.** Among the instances where the prompt's
+  predicted TTFT (Arrow's quadratic predictor over the prefill queue, plus its own prefill)
+  stays well within its SLO, the one whose decode step would be shortest with it added; if
+  none, the least predicted delay.
 - **Session affinity (PLA-Serve §3.3).** In both regimes a session's later turn goes back to
   the instance that holds its history (its KV is cached there) unless that instance's predicted
   delay plus the cached fill is worse than the best alternative plus the full fill by more than
   `affinity` seconds.
 - **Local scheduling** (`flowyard_local`): FlowPrefill's S-EDF queue order and DynaServe's
-  TBT-bounded step budgets on every instance.
+  TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
+  have banked (TPOT is a mean), so long outputs amortise whole prefill chunks as in vLLM.
 
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
@@ -42,8 +43,9 @@ from flowyard.core.plan import BatchShape
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
-from flowyard.policies.arrow_pools import PREFILL_SIDE
+from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
 from flowyard.policies.base import ClusterView
+from flowyard.policies.flowyard_regime import Choice, Load, MonitorFlips, RegimePricer, rate as _rate
 
 MODES = ("auto", "colocated", "disaggregated")
 MAX_SESSIONS = 65536
@@ -56,6 +58,7 @@ class FlowyardConfig:
     dispatch_flips: bool = True  # Arrow's Alg. 1/2 may flip an instance per request; False: the monitor only
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
+    slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
     affinity: float | None = 0.05  # session affinity tolerance (s); None: off
     chunk: int = 2048  # most prefill tokens in one step
     period: float = 0.5  # controller period (s)
@@ -64,42 +67,18 @@ class FlowyardConfig:
     ttft_slo: float = 3.0  # thresholds for requests without SLOs (Arrow's defaults)
     tpot_slo: float = 0.1
     headroom: float = 0.9  # share of the TPOT SLO a colocated step may use
+    decode_headroom: float = 0.85  # share of it a decode instance's steps may use (KV hand-off gaps, bursts)
     ttft_share: float = 0.3  # colocated chunks of the mean prompt may take this share of its TTFT SLO
     max_num_seqs: int = 256
+    elastic: bool = True  # the controller sizes the pools; False: half prefill, half decode
+    min_arrivals: int = 8  # arrivals seen before the controller first prices the regimes
+    window: float = 10.0  # seconds of arrivals and prefill completions the controller's rates cover
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"flowyard mode must be one of {MODES}, got {self.mode!r}")
         if self.chunk < 1 or self.patience < 1 or not self.period > 0:
             raise ValueError("chunk, patience and period must be positive")
-
-
-class _MonitorFlips(ArrowRouter):
-    """Arrow's router whose dispatch (Alg. 1, 2) never flips an instance: only the monitor
-    does, every period, from the decode side's token interval and idle prefill instances.
-    On a small cluster a flip per infeasible request swings half the cluster at a time."""
-
-    _dispatching = False
-
-    def route(self, req, view, now):
-        self._dispatching = True
-        try:
-            return super().route(req, view, now)
-        finally:
-            self._dispatching = False
-
-    def route_decode(self, state, src, view, now):
-        self._dispatching = True
-        try:
-            return super().route_decode(state, src, view, now)
-        finally:
-            self._dispatching = False
-
-    def try_move_decode_to_prefill(self, view, now):
-        return None if self._dispatching else super().try_move_decode_to_prefill(view, now)
-
-    def try_move_prefill_to_decode(self, view, now, only=None):
-        return None if self._dispatching else super().try_move_prefill_to_decode(view, now, only)
 
 
 class FlowyardRouter:
@@ -110,7 +89,7 @@ class FlowyardRouter:
     def __init__(self, predictor: CostModel, cfg: FlowyardConfig | None = None, name: str = "flowyard") -> None:
         self.cfg = c = cfg or FlowyardConfig()
         self.predictor = predictor
-        self.arrow = (ArrowRouter if c.dispatch_flips else _MonitorFlips)(predictor, ArrowConfig(mode=c.pools, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo, chunk_size=c.chunk,
+        self.arrow = (ArrowRouter if c.dispatch_flips else MonitorFlips)(predictor, ArrowConfig(mode=c.pools, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo, chunk_size=c.chunk,
                                                         max_num_seqs=c.max_num_seqs, flip_cooldown=c.flip_cooldown),
                                  name)
         self.regime = "disaggregated" if c.mode == "disaggregated" else "colocated"
@@ -120,10 +99,16 @@ class FlowyardRouter:
         self.sent_home = self.sent_away = 0
         self._tpots: deque[float] = deque(maxlen=256)  # TPOT SLOs of recent arrivals
         self._prompts: deque[int] = deque(maxlen=256)  # their new (uncached) prompt tokens
-        self._ttfts: deque[float] = deque(maxlen=256)  # their TTFT SLOs
-        self.estimates: list[tuple[float, float]] = []  # (colocated, disaggregated) prefill tokens/s per tick
+        self._urgency: deque[float] = deque(maxlen=256)  # their new prompt tokens / TTFT SLO
+        self._arrivals: deque[float] = deque(maxlen=256)  # their arrival times (the rate)
+        self._outputs: deque[int] = deque(maxlen=256)  # output tokens of recently finished requests
+        self.estimates: list[tuple[float, str, int]] = []  # (time, regime, prefill instances) wanted per tick
+        self.splits: list[tuple[float, int]] = []  # (time, prefill instances) of the disaggregated regime
+        self.n_prefill = 0  # prefill-side instances while disaggregated
+        self.pricer = RegimePricer(predictor, self.arrow.ttft, chunk=c.chunk, headroom=c.headroom,
+                                   decode_headroom=c.decode_headroom, amortised=c.slack and c.tbt_budget,
+                                   ttft_share=c.ttft_share, max_num_seqs=c.max_num_seqs)
         self._votes = 0  # consecutive ticks that disagreed with the regime
-        self._budget_cache: dict[tuple[float, int, int], int] = {}
 
     @property
     def pools(self):
@@ -135,13 +120,14 @@ class FlowyardRouter:
             self._tpots.append(req.slo.tpot)
         self._prompts.append(req.prompt_len - req.history_len)
         if req.slo.ttft is not None:
-            self._ttfts.append(req.slo.ttft)
+            self._urgency.append((req.prompt_len - req.history_len) / max(1e-3, req.slo.ttft))
+        self._arrivals.append(now)
         if self.regime == "disaggregated":
             pick = self.arrow.route(req, view, now)
             cands = self.arrow.pools.members(*PREFILL_SIDE) if self.arrow.pools is not None else []
         else:
             cands = list(view.instances())
-            pick = min(cands, key=lambda i: self._load(view, i))
+            pick = self._colocated_pick(req, view, cands)
         pick = self._affine(req, view, pick, cands)
         if req.session is not None and pick is not None:
             self.homes[req.session] = pick
@@ -150,9 +136,25 @@ class FlowyardRouter:
                 self.homes.popitem(last=False)
         return pick
 
-    def _load(self, view: ClusterView, i: int) -> tuple[float, int, int]:
-        s = view.snapshot(i)
-        return (self.arrow.delay(s), s.running_tokens + s.incoming_tokens, i)
+    def _colocated_pick(self, req: Request, view: ClusterView, cands: list[int]) -> int:
+        """Among the instances where the prompt's predicted TTFT (queue delay plus its own
+        prefill) stays within `ttft_share` x 2 of its SLO, the one whose decode step would be
+        shortest with it added (TPOT is decided by decode steps once prompts are served in
+        time); if none, the least predicted delay."""
+        snaps = {i: view.snapshot(i) for i in cands}
+        delay = {i: self.arrow.delay(s) for i, s in snaps.items()}
+        ttft = req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo
+        own = self.arrow.ttft(max(1, req.prompt_len - req.history_len))
+        ok = [i for i in cands if delay[i] + own <= 2 * self.cfg.ttft_share * ttft]
+        if not ok:
+            return min(cands, key=lambda i: (delay[i], snaps[i].running_tokens + snaps[i].incoming_tokens, i))
+        return min(ok, key=lambda i: (self._decode_step(snaps[i], req.prompt_len), delay[i], i))
+
+    def _decode_step(self, s, prompt: int) -> float:
+        """Predicted decode step of an instance once everything on it (and this prompt) decodes."""
+        n = s.num_running + s.num_waiting + s.num_migrating_in + 1
+        ctx = s.running_tokens + s.waiting_tokens + s.incoming_tokens + prompt
+        return float(self.predictor.step_time(BatchShape(decode_seqs=n, decode_ctx=float(ctx))))
 
     def _affine(self, req: Request, view: ClusterView, pick: int | None, cands: list[int]) -> int | None:
         """A later turn of a session to its home, unless home is clearly worse (PLA-Serve)."""
@@ -177,72 +179,86 @@ class FlowyardRouter:
         return self.arrow.route_decode(state, src, view, now)
 
     # -- the regime controller ---------------------------------------------------------------
-    def _budget(self, limit: float, n: int, ctx: float, history: int) -> int:
-        """Largest prefill tokens (to 16) a step with n decodes at mean context ctx, on a prompt
-        with `history` tokens computed, may carry within `limit` seconds (the cost model)."""
-        key = (limit, n, int(ctx) >> 6, history >> 9)
-        if key not in self._budget_cache:
-            c, h = float(((int(ctx) >> 6) + 1) << 6), (history >> 9) << 9
+    def on_finished(self, state: RequestState, now: float) -> None:
+        """Learn the mean output length (executors call this for every finished request)."""
+        if state.num_output:
+            self._outputs.append(state.num_output)
 
-            def fits(p: int) -> bool:
-                shape = BatchShape(prefill_tokens=p, prefill_seqs=1 if p else 0, prefill_attn=p * (h + (p + 1) / 2),
-                                   prefill_kv=h + p, decode_seqs=n, decode_ctx=c * n)
-                return float(self.predictor.step_time(shape)) <= limit
+    def steady_decodes(self, observed: int, step: float, now: float) -> float:
+        """Decodes the cluster holds once prefill keeps up with arrivals: at least those
+        running now, and at least arrival rate (last `window` seconds) x mean output of the
+        requests finished recently x time per token (Little's law). The decodes running now lag
+        behind when prefill is the bottleneck: a starved prefill admits few decodes, so a
+        colocated cluster would look as if its steps had room to spare. (The mean output is
+        biased low early on, when only short outputs have finished: a lower bound still.)"""
+        if not self._outputs:
+            return float(observed)
+        rate = _rate(self._arrivals, now, self.cfg.window)
+        return max(float(observed), rate * sum(self._outputs) / len(self._outputs) * step)
 
-            lo, hi = 0, self.cfg.chunk
-            if fits(hi):
-                lo = hi
-            while hi - lo > 16:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            if len(self._budget_cache) > 4096:
-                self._budget_cache.clear()
-            self._budget_cache[key] = lo
-        return self._budget_cache[key]
-
-    def wanted(self, view: ClusterView) -> str:
-        """The regime that serves prefill faster while decodes hold the tightest recent TPOT SLO.
-
-        Colocated: every instance runs steps of its share of the decodes plus the largest
-        prefill budget that keeps the step within the SLO (DynaServe's Alg. 2 budget, priced by
-        the cost model at the mean prompt's middle chunk), one step per SLO period: N x budget /
-        SLO prompt tokens per second. Disaggregated: N/2 prefill instances prefill whole prompts
-        at full chunks (L / TTFT-hat(L) each) while N/2 decode instances hold all the decodes,
-        which must still fit the SLO. Colocated when the TPOT SLO does not bind at all (loose
-        TPOT), when it serves prefill at least as fast (short prompts, long outputs), or when
-        the decode half could not hold the SLO anyway."""
-        if not self._tpots:
-            return "colocated"
+    def load(self, view: ClusterView, now: float) -> Load | None:
+        """What the pricing needs, from the recent arrivals and the instances' snapshots."""
+        if not self._tpots or len(self._arrivals) < self.cfg.min_arrivals:
+            return None  # no TPOT SLO, or too few arrivals to price anything yet: stay as configured
         snaps = [view.snapshot(i) for i in view.instances()]
-        n_inst = len(snaps)
-        decodes = sum(s.num_decoding for s in snaps)
         running = sum(s.num_running for s in snaps)
-        ctx = sum(s.running_tokens for s in snaps) / running if running else 0.0
-        limit = min(self._tpots) * self.cfg.headroom
-        if n_inst < 2 or self._budget(limit, -(-decodes // n_inst), ctx, 0) >= self.cfg.chunk:
-            return "colocated"
+        tpot = min(self._tpots)
+        decodes = self.steady_decodes(sum(s.num_decoding for s in snaps), tpot * self.cfg.headroom, now)
         length = max(1.0, sum(self._prompts) / len(self._prompts)) if self._prompts else float(self.cfg.chunk)
-        mid = self._budget(limit, -(-decodes // n_inst), ctx, int(length) // 2)
-        coloc = n_inst * mid / limit
-        ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else self.cfg.ttft_slo
-        if mid <= 0 or length / mid * limit > self.cfg.ttft_share * ttft:
-            coloc = 0.0  # the mean prompt, cut into budget-sized chunks, would take most of its TTFT SLO
-        n_p = n_inst // 2
-        dis = n_p * length / max(1e-9, self.arrow.ttft(length))
-        self.estimates.append((coloc, dis))
-        if coloc >= dis or self._budget(limit, -(-decodes // (n_inst - n_p)), ctx, 0) <= 0:
-            return "colocated"
-        return "disaggregated"
+        urgency = sum(self._urgency) / len(self._urgency) if self._urgency else length / self.cfg.ttft_slo
+        return Load(len(snaps), _rate(self._arrivals, now, self.cfg.window), length, decodes,
+                    sum(s.running_tokens for s in snaps) / running if running else 0.0, tpot, urgency)
+
+    def wanted(self, view: ClusterView, now: float) -> Choice:
+        """The option with the largest sustainable load scale (`flowyard_regime`)."""
+        load = self.load(view, now)
+        if load is None:
+            return Choice("colocated", 0, {})
+        current = 0 if self.regime == "colocated" else (self.n_prefill or load.instances // 2)
+        choice = self.pricer.choose(load, current)
+        if self.cfg.mode == "disaggregated" and choice.regime == "colocated":
+            dis = {k: v for k, v in choice.scores.items() if k} or {self.n_prefill: 0.0}
+            best = max(dis, key=dis.get)
+            choice = Choice("disaggregated", best, choice.scores)
+        self.estimates.append((now, choice.regime, choice.n_prefill))
+        return choice
 
     def tick(self, view: ClusterView, now: float) -> None:
-        if self.cfg.mode == "auto":
-            want = self.wanted(view)
-            self._votes = self._votes + 1 if want != self.regime else 0
+        if self.cfg.mode != "colocated":
+            want = self.wanted(view, now)
+            if not self.cfg.elastic and want.regime == "disaggregated":
+                want = Choice(want.regime, max(1, len(view.instances()) // 2), want.scores)
+            differs = want.regime != self.regime or (want.regime == "disaggregated" and want.n_prefill != self.n_prefill)
+            self._votes = self._votes + 1 if differs else 0
             if self._votes >= self.cfg.patience:
-                self.regime, self._votes = want, 0
-                self.switches.append((now, want))
+                self._votes = 0
+                if want.regime != self.regime:
+                    self.regime = want.regime
+                    self.switches.append((now, want.regime))
+                if want.regime == "disaggregated":
+                    self._resize(view, now, want.n_prefill)
         if self.regime == "disaggregated" and self.arrow.period is not None:
             self.arrow.tick(view, now)  # Arrow's monitor (creates the pools on first use)
+
+    def _resize(self, view: ClusterView, now: float, n_prefill: int) -> None:
+        """Flip instances between Arrow's pools until `n_prefill` take prefills: to decode the
+        prefill-side instance with the least queued prefill, to prefill the decode-side one
+        with the fewest running tokens (zero-wait flips: the pools are bookkeeping)."""
+        pools = self.arrow._refresh(view, now)
+        while True:
+            pre = pools.members(*PREFILL_SIDE)
+            if len(pre) > n_prefill and len(pre) > 1:
+                i = min(pre, key=lambda k: (view.snapshot(k).waiting_tokens, k))
+                pools.flip_to_decode(i, view.snapshot(i), now)
+            elif len(pre) < n_prefill and len(pools.members(*DECODE_SIDE)) > 1:
+                dec = pools.members(*DECODE_SIDE)
+                i = min(dec, key=lambda k: (view.snapshot(k).running_tokens, k))
+                pools.flip_to_prefill(i, view.snapshot(i), now)
+            else:
+                break
+        self.n_prefill = len(pools.members(*PREFILL_SIDE))
+        if not self.splits or self.splits[-1][1] != self.n_prefill:
+            self.splits.append((now, self.n_prefill))
 
 
 def flowyard_policy(name: str, o) -> "Policy":
@@ -264,7 +280,7 @@ def flowyard_policy(name: str, o) -> "Policy":
 
     def local(instance, role, kv, batch):
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
-                                  tbt_budget=cfg.tbt_budget, max_num_seqs=batch.max_num_seqs,
+                                  tbt_budget=cfg.tbt_budget, slack=cfg.slack, max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
     batch = BatchConfig(max_num_batched_tokens=cfg.chunk, max_num_seqs=cfg.max_num_seqs)

@@ -1,0 +1,97 @@
+"""flowyard's regime controller (`flowyard_regime`), its elastic split and the local budget that
+spends banked TPOT slack (`flowyard_local`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from flowyard.core.request import SLO, Request, RequestState
+from flowyard.policies.arrow_pools import PREFILL_SIDE, QuadraticTTFT
+from flowyard.policies.flowyard_local import FlowyardSelector
+from flowyard.policies.flowyard_policy import FlowyardConfig, FlowyardRouter
+from flowyard.policies.flowyard_regime import rate as _rate
+from flowyard.policies.flowyard_regime import Load, RegimePricer
+from flowyard.sim.run import SimConfig, build_cost_model
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return build_cost_model(SimConfig(model="qwen2.5-32b", hardware="h800", tp=2))
+
+
+@pytest.fixture(scope="module")
+def pricer(cost):
+    return RegimePricer(cost, QuadraticTTFT.fit(cost, 2048, 131072))
+
+
+def load(rate, length, decodes, ctx, tpot, ttft=3.0, n=4):
+    return Load(n, rate, length, decodes, ctx, tpot, length / ttft)
+
+
+def test_loose_tpot_stays_colocated(pricer):
+    c = pricer.choose(load(5.0, 2500, 30, 2700, 0.2))
+    assert c.regime == "colocated" and c.n_prefill == 0
+
+
+def test_tight_tpot_long_prompts_disaggregate_and_decode_heavy_gets_more_decode_instances(pricer):
+    c = pricer.choose(load(5.0, 2500, 30, 2700, 0.025))
+    assert c.regime == "disaggregated"
+    # many decodes at tight TPOT: the split leans to decode (fewer prefill instances)
+    heavy = pricer.choose(load(5.0, 2500, 60, 2700, 0.025))
+    light = pricer.choose(load(5.0, 2500, 4, 2700, 0.025))
+    assert heavy.n_prefill < light.n_prefill
+    assert heavy.scores[1] > heavy.scores[3] and light.scores[3] > light.scores[1]
+
+
+def test_short_prompts_long_outputs_stay_colocated(pricer):
+    """Reasoning-like: prefill is cheap, decodes dominate; every instance should decode."""
+    c = pricer.choose(load(2.0, 220, 60, 1000, 0.025))
+    assert c.regime == "colocated" and c.scores[0] >= max(v for k, v in c.scores.items() if k)
+
+
+def test_hysteresis_keeps_the_current_option_unless_another_is_clearly_better(pricer):
+    c = pricer.choose(load(5.0, 2500, 30, 2700, 0.025))
+    for k, v in c.scores.items():
+        if k != c.n_prefill and v >= c.scores[c.n_prefill] / 1.05:
+            assert pricer.choose(load(5.0, 2500, 30, 2700, 0.025), current=k).n_prefill == k
+
+
+def test_decode_capacity_respects_the_kv_cache(pricer):
+    # contexts so long that KV, not step time, bounds a decode instance
+    assert pricer.split_scale(load(1.0, 20000, 100, 100_000, 0.2), 1) < 1
+
+
+def test_rate_counts_the_window_and_ignores_the_clock_start():
+    assert _rate(deque([0.0, 1.0, 2.0]), 2.0, 10.0) == pytest.approx(1.0)
+    assert _rate(deque([0.0, 5.0, 11.0, 12.0]), 12.0, 10.0) == pytest.approx(0.3)
+    assert _rate(deque([1.0]), 2.0, 10.0) == 0.0
+
+
+def test_router_resizes_the_pools_to_the_wanted_split(cost):
+    r = FlowyardRouter(cost, FlowyardConfig(mode="disaggregated"))
+    snaps = {i: SimpleNamespace(waiting_tokens=0, running_tokens=0, num_decoding=0, num_migrating_in=0,
+                                prefill_queue=(), num_running=0) for i in range(4)}
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    for n in (1, 3, 2):
+        r._resize(view, float(n), n)
+        assert r.n_prefill == n and len(r.pools.members(*PREFILL_SIDE)) == n
+    assert [p for _, p in r.splits] == [1, 3, 2]
+
+
+def _decoding(tpot: float, out: int, first: float) -> RequestState:
+    st = RequestState(Request(id=out, arrival=0.0, prompt_len=16, output_len=1000, slo=SLO(ttft=1.0, tpot=tpot)))
+    st.num_output, st.first_token_time = out, first
+    return st
+
+
+def test_slack_budget_spends_banked_tpot_time_only(cost):
+    sel = FlowyardSelector(cost, slack=True)
+    fresh = _decoding(0.025, 1, 10.0)
+    banked = _decoding(0.025, 100, 10.0)  # 100 tokens in 1 s: 1.5 s of slack banked by t = 11
+    assert sel._limit([fresh], 0.025, 10.0) == 0.025
+    assert sel._limit([banked], 0.025, 11.0) > 0.025
+    assert sel._limit([banked, fresh], 0.025, 10.0) == 0.025  # the tightest decode decides
+    assert FlowyardSelector(cost, slack=False)._limit([banked], 0.025, 11.0) == 0.025
