@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    """`start=False` leaves the loop to the caller's `run_forever()`: `flowyard serve` runs it on
+    the main thread. With the engine on a second thread, libgomp sees more threads than cores
+    and throttles its spin-wait, so every oneDNN/OpenMP region wakes its worker through a futex:
+    a single-stream decode step took 38-41 ms on a thread against 23.6-26 ms on the main thread
+    (2-core VM, SmolLM2 bf16; same slowdown on the main thread with OMP_WAIT_POLICY=passive)."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, start: bool = True) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -36,11 +42,15 @@ class AsyncLLMEngine:
         self._pending = 0  # accepted, not yet seen by the engine loop
         self._stop = threading.Event()
         self._error: str | None = None
-        self._deferred: list[tuple] = []  # commands met at an operator boundary, for after the step
+        self._deferred: list[tuple] = []
+        self._until = lambda: False  # commands met at an operator boundary, for after the step
         if hasattr(engine, "boundary_hook"):
             engine.boundary_hook = self._admit_arrivals
         self._thread = threading.Thread(target=self._loop, name="flowyard-engine", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+        else:
+            self._thread = threading.current_thread()
 
     # -- EngineClient -----------------------------------------------------------------------
     async def generate(
@@ -89,10 +99,17 @@ class AsyncLLMEngine:
             preemption=getattr(e, "preemption_stats", None),
         )
 
+    def run_forever(self, until=lambda: False) -> None:
+        """Run the engine loop on this thread until `shutdown()` or `until()` is true (checked
+        at least every half second)."""
+        self._until = until
+        self._loop()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     # -- engine thread ----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput) -> None:
@@ -138,7 +155,7 @@ class AsyncLLMEngine:
             pass
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._until():
             deferred, self._deferred = self._deferred, []
             for cmd in deferred:
                 self._apply(cmd)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -117,22 +119,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         where = "Ray actors" if use_ray else "this process"
         print(f"flowyard: {args.instances} instance(s) in {where}, policy {policy.name} "
               f"(roles: {', '.join(r.value for r in policy.roles)})", file=sys.stderr)
-    client = AsyncLLMEngine(engine)
+    client = AsyncLLMEngine(engine, start=False)  # its loop runs on this (the main) thread, below
     app = build_app(client, api_key=args.api_key, served_model_name=args.served_model_name)
     name = args.served_model_name or engine.model_name
     print(f"flowyard: serving {name!r} on http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len})",
           file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    http = threading.Thread(target=server.run, name="flowyard-http", daemon=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn off the main thread installs no handlers
+        signal.signal(sig, _raise_interrupt)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        http.start()
+        client.run_forever(until=lambda: not http.is_alive())
+        while http.is_alive():  # the engine failed: keep answering (/health says so) until stopped
+            http.join(timeout=0.5)
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
+        http.join(timeout=10)
         client.shutdown()
         if use_ray:
             engine.shutdown()
         if timeline is not None:
             timeline.write(args.timeline)
             print(f"flowyard: wrote the timeline to {args.timeline}", file=sys.stderr)
-    return 0
+    return 0 if server.started else 1
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _predictor(args: argparse.Namespace):

@@ -1,0 +1,76 @@
+"""`flowyard serve` as a process: its engine loop runs on the main thread and uvicorn on a
+second one, so stopping, signals and a port that is taken are the process's own business."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from helpers_models import make_tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flowyard.cli", "serve", "--model", str(model_dir),
+                             "--dtype", "float32", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_up(server: subprocess.Popen, base: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, server.stderr.read()[-3000:]
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_answers_then_stops_on_a_signal(tmp_path, sig):
+    d, _ = make_tiny_model(tmp_path, "llama")
+    port = _free_port()
+    server = _start(d, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(server, base)
+        body = json.dumps({"model": json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"],
+                           "prompt": "the quick brown fox", "max_tokens": 5, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+        server.send_signal(sig)
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_serve_exits_nonzero_when_its_port_is_taken(tmp_path):
+    d, _ = make_tiny_model(tmp_path, "llama")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = _start(d, taken.getsockname()[1])
+        try:
+            assert server.wait(timeout=120) != 0
+        finally:
+            if server.poll() is None:
+                server.kill()
