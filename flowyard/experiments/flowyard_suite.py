@@ -84,9 +84,11 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.key: w for w in (
 ABLATIONS: dict[str, dict] = {
     "pinned colocated": {"mode": "colocated"},
     "pinned disaggregated (Arrow pools)": {"mode": "disaggregated"},
+    "fixed half/half split instead of priced pools": {"elastic": False},
     "Arrow's SLO-aware flips and monitor on": {"pools": "slo"},
     "FCFS instead of S-EDF": {"order": "fcfs"},
     "fixed chunk instead of TBT budgets": {"tbt_budget": False},
+    "per-step TBT budgets (no banked TPOT slack)": {"slack": False},
     "no session affinity": {"affinity": None},
 }
 

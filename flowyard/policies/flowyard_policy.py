@@ -217,7 +217,7 @@ class FlowyardRouter:
         current = 0 if self.regime == "colocated" else (self.n_prefill or load.instances // 2)
         choice = self.pricer.choose(load, current)
         if self.cfg.mode == "disaggregated" and choice.regime == "colocated":
-            dis = {k: v for k, v in choice.scores.items() if k} or {self.n_prefill: 0.0}
+            dis = {k: v for k, v in choice.scores.items() if k} or {current or load.instances // 2: 0.0}
             best = max(dis, key=dis.get)
             choice = Choice("disaggregated", best, choice.scores)
         self.estimates.append((now, choice.regime, choice.n_prefill))

@@ -62,10 +62,11 @@ class RegimePricer:
     def __init__(self, cost: CostModel, ttft_hat: Callable[[float], float], *, chunk: int = 2048,
                  headroom: float = 0.9, decode_headroom: float = 0.97, ttft_share: float = 0.3,
                  max_num_seqs: int = 256, amortised: bool = True, mean_headroom: float = 0.95,
-                 min_prefill: int = 64) -> None:
+                 min_prefill: int = 64, comfort: float = 1.5) -> None:
         self.cost, self.ttft_hat, self.chunk, self.amortised = cost, ttft_hat, chunk, amortised
         self.headroom, self.decode_headroom, self.ttft_share = headroom, decode_headroom, ttft_share
         self.max_num_seqs, self.mean_headroom, self.min_prefill = max_num_seqs, mean_headroom, min_prefill
+        self.comfort = comfort
         self.kv_tokens, self.kv_headroom = cost.kv_capacity_tokens(), 0.8
         self._budgets: dict[tuple[float, int, int, int], int] = {}
         self._decodes: dict[tuple[float, int], int] = {}
@@ -181,17 +182,24 @@ class RegimePricer:
         dec = INF if load.decodes <= 0 else (load.instances - n_prefill) * cap / load.decodes
         return min(pre, dec)
 
-    def choose(self, load: Load, current: int = 0, margin: float = 0.05) -> Choice:
+    def choose(self, load: Load, current: int = 0, margin: float = 0.05, switch_margin: float = 0.25) -> Choice:
         """The best option (module docstring); `current` (0: colocated, else its split) keeps
-        its place unless another scores `margin` better."""
+        its place unless another scores `margin` better, or `switch_margin` better when it
+        changes the regime (colocated <-> disaggregated moves every running decode's home, so
+        a near tie must not flap), and never while its own scale is at least `comfort` (far
+        from saturating, nothing is lost by staying; lulls in the arrivals price anything)."""
         if load.instances < 2 or not self.colocated_binds(load):
             return Choice("colocated", 0, {0: INF})
+        if load.rate <= 0:  # nothing arrives: nothing to route differently
+            return Choice("colocated" if current == 0 else "disaggregated", current, {})
         scores = {0: self.colocated_scale(load)}
         for p in range(1, load.instances):
             scores[p] = self.split_scale(load, p)
         best = max(scores, key=lambda k: (scores[k], k == 0))
-        if current in scores and scores[best] <= scores[current] * (1 + margin):
-            best = current
+        if current in scores:
+            m = margin if (best == 0) == (current == 0) else switch_margin
+            if scores[best] <= scores[current] * (1 + m) or scores[current] >= self.comfort:
+                best = current  # a near tie, or the current option is far from saturating
         return Choice("colocated" if best == 0 else "disaggregated", best, scores)
 
 
