@@ -74,3 +74,17 @@ def test_serve_exits_nonzero_when_its_port_is_taken(tmp_path):
         finally:
             if server.poll() is None:
                 server.kill()
+
+
+def test_the_cli_bounds_openmp_spinning_before_torch_loads():
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the CLI must set it first, and
+    leave a user's own value alone."""
+    import os
+
+    code = "import os, sys, flowyard.cli; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}).stdout.split()
+    assert out == ["30000", "False"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, GOMP_SPINCOUNT="7")).stdout.split()
+    assert out[0] == "7"
