@@ -214,6 +214,11 @@ def test_closing_note_lists_the_verdicts_that_changed(tmp_path):
             + "| new | 1× | 1× | not measured |")
     rep.changes()
     text = rep.parts[-1]
-    assert "(abc1234): 1 verdict(s) unchanged, 3 change(s)" in text
-    assert "- b: not reproduced: below → **reproduced** (reproduced (ours 3.1×))" in text
+    assert "(abc1234): 1 conclusion(s) unchanged, 3 change(s)" in text
+    assert "- b: not reproduced → **reproduced** (was: not reproduced: below; now: reproduced (ours 3.1×))" in text
+    from flowyard.experiments.report import conclusion
+
+    assert conclusion("close (within 15 %)") == conclusion("reproduced (ours 1×)") == "reproduced"
+    assert conclusion("same direction, smaller") == conclusion("not reproduced: the other way (x)") == "not reproduced"
+    assert conclusion("higher") == "not reproduced" and conclusion("not measured (a zero)") == "not measured"
     assert "- new claim: new: not measured" in text and "- no longer a claim: gone (was: reproduced)" in text

@@ -91,8 +91,9 @@ def _headline(res: Results, rep: Report) -> None:
             note = {"1P": f"≈ −{paper:.0f} points" if paper else "—",
                     "8P": "−4.7 points (0 % vs 4.7 %)" if paper else
                     "— (abstract: −28 %, no figure)" if other == DP else "— (the paper ran no such baseline)"}[cl]
-            rows.append([f"Fig. 7 SLO violations below {other}, {cl}" + (f" ({pla})" if pla != PLA7 else ""),
-                         note, f"mean over c {mean:+.1f} points; at c={top}: {d[top]:+.1f}" if d else NA,
+            rows.append([f"Fig. 7 SLO violations below {other}, {cl}", note,
+                         (f"{pla}: " if pla != PLA7 else "") + (f"mean over c {mean:+.1f} points; at c={top}: "
+                                                                f"{d[top]:+.1f}" if d else NA),
                          gain_verdict(mean, paper, unit="points") if paper else ""])
         own = [p.violation for _, p in curves.get(pla, []) if not p.error and p.rps > 0 and math.isfinite(p.violation)]
         if cl == "8P":

@@ -95,9 +95,21 @@ def verdict_rows(markdown: str) -> dict[str, str]:
     return out
 
 
-def _kind(verdict: str) -> str:
-    """The conclusion of a verdict without its numbers: the text before its first '('."""
-    return verdict.split("(")[0].strip(" :;")
+def conclusion(verdict: str) -> str:
+    """The conclusion a verdict draws, without its numbers or wording: reproduced, not reproduced,
+    not measured or undecided. Earlier reports' wordings map onto the same four ("close (within
+    15 %)", "within ...", "overlaps ..." were reproductions; "higher", "lower", "same direction,
+    smaller" were not)."""
+    v = verdict.strip().lower()
+    if v.startswith(("not measured", "no number", "not measurable")):
+        return "not measured"
+    if v.startswith("undecided"):
+        return "undecided"
+    if v.startswith(("reproduced", "close", "within", "overlaps")):
+        return "reproduced"
+    if v.startswith(("not reproduced", "higher", "lower", "above", "below", "same direction")):
+        return "not reproduced"
+    return v.split("(")[0].strip(" :;") or "–"
 
 
 # ------------------------------------------------------------------------------- report
@@ -143,22 +155,23 @@ class Report:
         self.parts.append(md_table(headers, rows))
 
     def changes(self) -> None:
-        """A closing section: the verdicts that changed from the report this run overwrites (read
-        from both reports' "ours vs paper" columns), and the claims new or gone."""
+        """A closing section: the conclusions that changed from the report this run overwrites
+        (read from both reports' "ours vs paper" columns, compared by `conclusion`), and the
+        claims new or gone."""
         old, new = verdict_rows(self.previous), verdict_rows("\n\n".join(self.parts))
         import re
 
         m = re.search(r"(?:flowyard|revision) ([0-9a-f]{7,40}(?: \+ uncommitted changes)?)", self.previous)
         rev = m.group(1) if m else ""
-        lines = [f"- {c}: {_kind(old[c]) or '–'} → **{_kind(v) or '–'}** ({v})"
-                 for c, v in new.items() if c in old and _kind(old[c]) != _kind(v)]
+        lines = [f"- {c}: {conclusion(old[c])} → **{conclusion(v)}** (was: {old[c]}; now: {v})"
+                 for c, v in new.items() if c in old and conclusion(old[c]) != conclusion(v)]
         lines += [f"- new claim: {c}: {v}" for c, v in new.items() if c not in old]
         lines += [f"- no longer a claim: {c} (was: {v})" for c, v in old.items() if c not in new]
-        same = sum(1 for c, v in new.items() if c in old and _kind(old[c]) == _kind(v))
+        same = sum(1 for c, v in new.items() if c in old and conclusion(old[c]) == conclusion(v))
         self.add("## What changed since the previous report",
                  ("No previous report at this path." if not self.previous else
-                  f"Against the report this run replaced{f' ({rev})' if rev else ''}: {same} verdict(s) "
-                  f"unchanged, {len(lines)} change(s)" + (":\n\n" + "\n".join(lines) if lines else ".")))
+                  f"Against the report this run replaced{f' ({rev})' if rev else ''}: {same} conclusion(s) "
+                  f"unchanged, {len(lines)} change(s) (claims new or gone included)" + (":\n\n" + "\n".join(lines) if lines else ".")))
 
     def figure_path(self, file: str) -> Path:
         return self.fig_dir / file
