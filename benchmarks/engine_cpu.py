@@ -8,7 +8,8 @@ Measures, each as the best of --repeat runs (the VM is noisy):
   1,000-token prefill tok/s    (time to the first token of one 1,000-token prompt)
   peak RSS of `flowyard serve` (default model and settings, after a few requests)
 Run: python benchmarks/engine_cpu.py [--repeat 2] [--skip-rss] [--skip-hf] [--configs bfloat16/grouped]
-A config is dtype/attention[/quantization], e.g. bfloat16/paged/int4 (EngineConfig.quantization).
+A config is dtype/attention[/quantization][/fp8_e5m2], e.g. bfloat16/paged/int4 (EngineConfig.quantization)
+or bfloat16/paged/fp8_e5m2 (an fp8 KV cache, EngineConfig.kv_cache_dtype).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def best(fn, repeat: int) -> float:
     return max(fn() for _ in range(repeat))
 
 
-def ours(dtype: str, attention: str, repeat: int, quantization: str | None = None) -> dict[str, float]:
+def ours(dtype: str, attention: str, repeat: int, quantization: str | None = None,
+         kv_cache_dtype: str = "auto") -> dict[str, float]:
     engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, attention=attention, kv_cache_memory_mb=512,
-                                                    quantization=quantization))
+                                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype))
     prompt = list(range(1000, 1030))
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))  # warm up
 
@@ -80,7 +82,7 @@ def ours(dtype: str, attention: str, repeat: int, quantization: str | None = Non
     # A fresh engine without prefix caching, so every repeat really prefills.
     engine_nc = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
         dtype=dtype, attention=attention, enable_prefix_caching=False, kv_cache_memory_mb=64,
-        quantization=quantization))
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype))
 
     def prefill() -> float:
         long = [(i * 7) % 40000 + 100 for i in range(1000)]
@@ -179,12 +181,14 @@ def main() -> None:
         hf32 = transformers_single(torch.float32, args.repeat)
         hf16 = transformers_single(torch.bfloat16, args.repeat)
     print(f"transformers generate single-stream: float32 {hf32:.1f} tok/s, bfloat16 {hf16:.1f} tok/s")
-    rows = [(c.split("/") + [None])[:3] for c in args.configs.split(",")]  # dtype, attention, quantization
+    rows = [c.split("/") for c in args.configs.split(",")]  # dtype, attention, then int8|int4, fp8_e5m2
     print(f"\n{'flowyard config':<20} {'single tok/s':>12} {'x hf fp32':>9} {'32-stream tok/s':>15} "
           f"{'(decode only)':>13} {'1k prefill tok/s':>16} {'8x16 step ms':>12} {'8x1k step ms':>12} {'ratio':>6}")
-    for dtype, attn, quant in rows:
-        r = ours(dtype, attn, args.repeat, quant)
-        print(f"{'/'.join(x for x in (dtype, attn, quant) if x):<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
+    for dtype, attn, *extra in rows:
+        quant = next((x for x in extra if x in ("int8", "int4")), None)
+        kv = next((x for x in extra if x == "fp8_e5m2"), "auto")
+        r = ours(dtype, attn, args.repeat, quant, kv)
+        print(f"{'/'.join([dtype, attn, *extra]):<20} {r['single']:>12.1f} {r['single'] / hf32:>9.2f} "
               f"{r['streams32']:>15.1f} {r['decode32']:>13.1f} {r['prefill']:>16.1f} {r['step16'] * 1e3:>12.1f} "
               f"{r['step1k'] * 1e3:>12.1f} {r['step1k'] / r['step16']:>6.2f}")
     print(f"\ntargets: single >= 3x transformers (here {3 * hf32:.1f}) and > vLLM CPU 17-19; "

@@ -126,29 +126,35 @@ class AttentionBatch:
         return self.decode_gather
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bytes where it holds float8 (an fp8 KV cache): PyTorch's CPU index_copy and
+    index_select have no float8 kernels, and moving bytes is the same thing."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Scatter this step's keys/values (T, kv_heads, head_dim) into their cache slots."""
-    flat = cache.view(2, -1, *cache.shape[-2:])
-    flat[0].index_copy_(0, slots, k.to(cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(cache.dtype))
+    flat = raw(cache).view(2, -1, *cache.shape[-2:])
+    flat[0].index_copy_(0, slots, raw(k.to(cache.dtype)))
+    flat[1].index_copy_(0, slots, raw(v.to(cache.dtype)))
 
 
 def _gather(cache_kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """(length, kv_heads, head_dim) of one sequence's K or V, read through its block table."""
-    return cache_kv[table].flatten(0, 1)[:length]
+    return raw(cache_kv)[table].flatten(0, 1)[:length].view(cache_kv.dtype)
 
 
 def gather_decode_kv(cache: torch.Tensor, plan: DecodeGather) -> torch.Tensor:
     """(2, B, kv_heads, max_blocks * block_size, head_dim) K/V of all decodes (rows in the
     plan's order): a strided view of one flat gather. SDPA's CPU kernel reads K/V through
     strides (it works on the (B, L, heads, D) layout itself), so the view costs no copy."""
-    rows = cache.view(2 * cache.shape[1], -1)
+    rows = raw(cache).view(2 * cache.shape[1], -1)
     if plan.buf is None:
         plan.buf = rows.index_select(0, plan.index)
     else:
         torch.index_select(rows, 0, plan.index, out=plan.buf)
     b = plan.groups[-1][1]
-    return plan.buf.view(2, b, -1, cache.shape[-2], cache.shape[-1]).transpose(2, 3)
+    return plan.buf.view(cache.dtype).view(2, b, -1, cache.shape[-2], cache.shape[-1]).transpose(2, 3)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

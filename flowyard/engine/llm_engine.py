@@ -33,6 +33,9 @@ from flowyard.policies.local import BatchConfig, BatchScheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_MODES = ("paged", "grouped", "exact")
+# vLLM's --kv-cache-dtype names; "auto" stores KV in the model dtype. fp8_e5m2 (the fp8 that
+# vLLM's CPU backend offers) halves the bytes a long-context decode step reads.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,11 @@ class EngineConfig:
     # kernel (paged_kernel.py); "grouped" gathers blocks then runs one SDPA call; "exact"
     # gathers and computes what transformers computes, bit for bit (slowest).
     attention: str = "paged"
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -124,7 +130,8 @@ class LLMEngine:
         self.dtype = DTYPES[resolve_dtype(config.dtype)]
         self.model = quantize_model(model.to(self.dtype).eval(), config.quantization)
         cfg = model.cfg
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
         tokens = config.kv_cache_tokens or config.kv_cache_memory_mb * 2**20 // per_token
         num_blocks = max(1, tokens // config.block_size)
         kv_cls = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
@@ -148,7 +155,7 @@ class LLMEngine:
         # two-executor guard advances a virtual clock by the cost model's step time there
         self.on_executed: Callable[[StepPlan], None] | None = None
         self.last_plan: StepPlan | None = None  # what the last step ran (None: nothing), for timelines
-        self.runner = ModelRunner(self.model, self.kv, self.dtype, grouped_decode=config.attention == "grouped",
+        self.runner = ModelRunner(self.model, self.kv, self.kv_dtype, grouped_decode=config.attention == "grouped",
                                   paged_decode=config.attention == "paged")
         self._idle_until: float | None = None  # set when a step found nothing to run
         self.pool = ExecutionPool(self.runner, self.scheduler, self.now, cfg.num_layers * len(LAYER_OPS))

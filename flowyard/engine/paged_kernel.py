@@ -42,7 +42,8 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # turns on flush-to-zero for the whole process (tests/test_engine_paged.py checks it does not).
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
 LINK = ["-shared", "-fopenmp"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes (q, out and cache)
+_KV_DTYPES = {**_DTYPES, torch.float8_e5m2: 2}  # the cache may also be fp8 (kv_cache_dtype)
 
 
 def _cache_dir() -> Path:
@@ -100,12 +101,13 @@ class PagedKernel:
             log.warning("paged decode kernel unavailable (%s); decodes gather their KV instead", e)
             return None
         p, i = ctypes.c_void_p, ctypes.c_int
-        lib.paged_decode.argtypes = [p] * 6 + [i] * 6 + [ctypes.c_float, i, i]
+        lib.paged_decode.argtypes = [p] * 6 + [i] * 6 + [ctypes.c_float, i, i, i]
         lib.paged_decode.restype = i
         return lib
 
     def supports(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
-        if q.device.type != "cpu" or q.dtype != cache.dtype or q.dtype not in _DTYPES or q.shape[-1] > 256:
+        if (q.device.type != "cpu" or q.dtype not in _DTYPES or cache.dtype not in (q.dtype, torch.float8_e5m2)
+                or q.shape[-1] > 256):
             return False
         if not self._tried:
             self._lib = self._load()
@@ -126,7 +128,7 @@ class PagedKernel:
         rc = self._lib.paged_decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             out.data_ptr(), b, tables.shape[1], k_cache.shape[1], kvh, group, d, d ** -0.5,
-            torch.get_num_threads(), _DTYPES[q.dtype])
+            torch.get_num_threads(), _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype])
         if rc != 0:
             raise RuntimeError(f"paged decode kernel failed ({rc}): head_dim {d}, group {group}")
         return out
@@ -137,8 +139,9 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """The kernel's math in PyTorch, for tests: same shapes, float32 inside."""
     nb, bs = tables.shape[1], k_cache.shape[1]
     qf = q.float() * q.shape[-1] ** -0.5
-    k = k_cache[tables].flatten(1, 2).float()  # (B, T, kvh, D)
-    v = v_cache[tables].flatten(1, 2).float()
+    k = k_cache.view(torch.uint8)[tables].view(k_cache.dtype) if k_cache.element_size() == 1 else k_cache[tables]
+    v = v_cache.view(torch.uint8)[tables].view(v_cache.dtype) if v_cache.element_size() == 1 else v_cache[tables]
+    k, v = k.flatten(1, 2).float(), v.flatten(1, 2).float()  # (B, T, kvh, D)
     s = torch.einsum("bhgd,bthd->bhgt", qf, k)
     pad = torch.arange(nb * bs).view(1, 1, 1, -1) >= lens.view(-1, 1, 1, 1)
     p = torch.softmax(s.masked_fill(pad, float("-inf")), dim=-1)

@@ -28,6 +28,7 @@ def seq_tokens(st: RequestState, start: int, n: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCacheManager, dtype: torch.dtype,
                  grouped_decode: bool = False, paged_decode: bool = False) -> None:
+        """dtype: the KV cache's (the model's, or float8 for an fp8 cache)."""
         cfg = model.cfg
         self.model = model
         self.kv = kv
@@ -35,7 +36,8 @@ class ModelRunner:
         self.grouped_decode = grouped_decode
         self.paged_decode = paged_decode
         if paged_decode:  # build/load the kernel now, not inside the first request's decode step
-            paged_kernel.supports(torch.empty(1, 1, 1, cfg.head_dim, dtype=dtype), torch.empty(1, dtype=dtype))
+            qdtype = next(model.parameters()).dtype
+            paged_kernel.supports(torch.empty(1, 1, 1, cfg.head_dim, dtype=qdtype), torch.empty(1, dtype=dtype))
         self.kv_cache = torch.zeros(
             cfg.num_layers, 2, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype
         )

@@ -10,7 +10,8 @@
  *   q, out   (B, kv_heads, group, D)                 elements of the cache's type
  *   k, v     (num_blocks, block_size, kv_heads, D)    one layer's K or V cache
  *   tables   (B, max_blocks) int64 block ids;  lens (B,) int64 context lengths >= 1
- * dtype: 0 = float32, 1 = bfloat16.
+ * dtype codes: 0 = float32, 1 = bfloat16, 2 = float8_e5m2 (the cache only: vLLM's fp8 KV on
+ * CPU; half the bytes per step at the price of a 2-bit mantissa, decoded through a table).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,9 +21,26 @@
 #define MAX_D 256
 #define MAX_ROWS 64  /* query heads per task */
 
-/* src row of n elements (float32 or bfloat16) -> float32 */
-static inline void widen(const void *src, float *dst, int n, int bf16) {
-    if (bf16) {
+static float e5m2[256];  /* float8_e5m2 byte -> float32, filled by paged_decode */
+
+static void fill_e5m2(void) {
+    for (int b = 0; b < 256; b++) {  /* e5m2 is the top byte of an IEEE half */
+        const int sign = b >> 7, exp = (b >> 2) & 31, man = b & 3;
+        float f = exp == 0 ? ldexpf((float)man, -16)
+                : exp == 31 ? (man ? NAN : INFINITY)
+                : ldexpf(1.f + man / 4.f, exp - 15);
+        e5m2[b] = sign ? -f : f;
+    }
+}
+
+static inline size_t esize(int code) { return code == 0 ? 4 : code == 1 ? 2 : 1; }
+
+/* src row of n elements (dtype code as above) -> float32 */
+static inline void widen(const void *src, float *dst, int n, int code) {
+    if (code == 2) {
+        const uint8_t *b = (const uint8_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = e5m2[b[i]];
+    } else if (code == 1) {
         const uint16_t *h = (const uint16_t *)src;
 #pragma omp simd
         for (int i = 0; i < n; i++) {
@@ -56,9 +74,10 @@ static inline void narrow(const float *src, void *dst, int n, int bf16) {
  * the same code with D a constant, which lets the compiler keep rows in vector registers. */
 static inline __attribute__((always_inline)) int attend(
         const char *q, const char *k, const char *v, const int64_t *table, int64_t L, char *out,
-        int block_size, int kv_heads, int h0, int nh, int group, const int D, float scale, int bf16) {
-    const size_t es = bf16 ? 2 : 4;
-    const size_t tok = (size_t)kv_heads * D * es, blk = (size_t)block_size * tok;
+        int block_size, int kv_heads, int h0, int nh, int group, const int D, float scale, int bf16,
+        int kvc) {
+    const size_t es = bf16 ? 2 : 4, kes = esize(kvc);
+    const size_t tok = (size_t)kv_heads * D * kes, blk = (size_t)block_size * tok;
     const int R = nh * group;  /* query rows of this task: head-major, like q */
     float qf[MAX_ROWS][MAX_D], acc[MAX_ROWS][MAX_D], row[MAX_D], inv[MAX_ROWS];
     float *s = (float *)malloc(sizeof(float) * (size_t)(L * R));
@@ -68,11 +87,11 @@ static inline __attribute__((always_inline)) int attend(
         for (int d = 0; d < D; d++) qf[r][d] *= scale;
     }
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {  /* scores, block by block */
-        const char *kb = k + (size_t)table[t0 / block_size] * blk + (size_t)h0 * D * es;
+        const char *kb = k + (size_t)table[t0 / block_size] * blk + (size_t)h0 * D * kes;
         const int n = L - t0 < block_size ? (int)(L - t0) : block_size;
         for (int i = 0; i < n; i++) {
             for (int hh = 0; hh < nh; hh++) {
-                widen(kb + i * tok + (size_t)hh * D * es, row, D, bf16);
+                widen(kb + i * tok + (size_t)hh * D * kes, row, D, kvc);
                 for (int g = 0; g < group; g++) {
                     const int r = hh * group + g;
                     float dot = 0.f;
@@ -95,11 +114,11 @@ static inline __attribute__((always_inline)) int attend(
         memset(acc[r], 0, sizeof(float) * (size_t)D);
     }
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {  /* weighted sum of V */
-        const char *vb = v + (size_t)table[t0 / block_size] * blk + (size_t)h0 * D * es;
+        const char *vb = v + (size_t)table[t0 / block_size] * blk + (size_t)h0 * D * kes;
         const int n = L - t0 < block_size ? (int)(L - t0) : block_size;
         for (int i = 0; i < n; i++) {
             for (int hh = 0; hh < nh; hh++) {
-                widen(vb + i * tok + (size_t)hh * D * es, row, D, bf16);
+                widen(vb + i * tok + (size_t)hh * D * kes, row, D, kvc);
                 for (int g = 0; g < group; g++) {
                     const int r = hh * group + g;
                     const float p = s[r * L + t0 + i];
@@ -120,36 +139,37 @@ static inline __attribute__((always_inline)) int attend(
 #define ATTEND_FIXED(NAME, DIM)                                                                   \
     static int NAME(const char *q, const char *k, const char *v, const int64_t *table, int64_t L,  \
                     char *out, int block_size, int kv_heads, int h0, int nh, int group, int D,     \
-                    float scale, int bf16) {                                                       \
+                    float scale, int bf16, int kvc) {                                              \
         (void)D;                                                                                   \
         return attend(q, k, v, table, L, out, block_size, kv_heads, h0, nh, group, DIM, scale,     \
-                      bf16);                                                                       \
+                      bf16, kvc);                                                                  \
     }
 ATTEND_FIXED(attend_d64, 64)
 ATTEND_FIXED(attend_d128, 128)
 
 static int attend_any(const char *q, const char *k, const char *v, const int64_t *table, int64_t L,
                       char *out, int block_size, int kv_heads, int h0, int nh, int group, int D,
-                      float scale, int bf16) {
-    return attend(q, k, v, table, L, out, block_size, kv_heads, h0, nh, group, D, scale, bf16);
+                      float scale, int bf16, int kvc) {
+    return attend(q, k, v, table, L, out, block_size, kv_heads, h0, nh, group, D, scale, bf16, kvc);
 }
 
 /* Tasks are whole sequences when there are enough of them to share out, else (sequence, KV
  * head) pairs so that a few long sequences still use every thread. */
 int paged_decode(const void *q, const void *k, const void *v, const int64_t *tables,
                  const int64_t *lens, void *out, int B, int max_blocks, int block_size,
-                 int kv_heads, int group, int D, float scale, int threads, int bf16) {
+                 int kv_heads, int group, int D, float scale, int threads, int bf16, int kvc) {
     const int split = B < 2 * threads ? kv_heads : 1, nh = kv_heads / split;
     if (D > MAX_D || nh * group > MAX_ROWS) return -1;
     const size_t es = bf16 ? 2 : 4, task_q = (size_t)nh * group * D * es;
+    if (kvc == 2 && e5m2[0x3c] != 1.f) fill_e5m2();  /* 0x3c is 1.0; idempotent if raced */
     int (*fn)(const char *, const char *, const char *, const int64_t *, int64_t, char *, int, int,
-              int, int, int, int, float, int) = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+              int, int, int, int, float, int, int) = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
     int err = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int task = 0; task < B * split; task++) {
         const int b = task / split, h0 = task % split * nh;
         if (fn((const char *)q + task * task_q, k, v, tables + (int64_t)b * max_blocks, lens[b],
-               (char *)out + task * task_q, block_size, kv_heads, h0, nh, group, D, scale, bf16))
+               (char *)out + task * task_q, block_size, kv_heads, h0, nh, group, D, scale, bf16, kvc))
             err = -2;
     }
     return err;
