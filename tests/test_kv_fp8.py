@@ -99,3 +99,20 @@ def test_fp8_cache_greedy_tokens_close_to_bfloat16(smol, attention):
     _, chunked = run("fp8_e5m2", max_num_batched_tokens=16, enable_prefix_caching=False)
     for r, q in zip(ref, chunked):
         check_greedy_close(r, q, k=5)
+
+
+def test_kernel_decodes_every_finite_fp8_byte_exactly():
+    """One-token contexts: the output is that token's V row, so every finite e5m2 byte
+    (subnormals and signed zeros too) must come out as PyTorch's own float value of it."""
+    codes = torch.tensor([b for b in range(256) if (b >> 2) & 31 != 31], dtype=torch.uint8)
+    rows = -(-len(codes) // 64)
+    v = torch.zeros(rows * 64, dtype=torch.uint8)
+    v[:len(codes)] = codes
+    cache = torch.zeros(2, rows, 1, 1, 64, dtype=torch.uint8)
+    cache[1] = v.view(rows, 1, 1, 64)
+    cache = cache.view(FP8)
+    q = torch.zeros(rows, 1, 1, 64)
+    assert paged_decode.supports(q, cache)
+    out = paged_decode(q, cache[0], cache[1], torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.long))
+    want = v.view(FP8).float()
+    assert torch.equal(out.flatten()[:len(codes)], want[:len(codes)])
