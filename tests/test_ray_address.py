@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 
 import pytest
 
 from helpers_models import make_tiny_model
+from helpers_serve import free_port, wait_healthy
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
@@ -22,19 +22,13 @@ PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([30, 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def external_cluster(tmp_path_factory):
     if shutil.which("ray") is None:
         pytest.skip("the ray command line is not installed")
     if ray.is_initialized():
         ray.shutdown()
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     start = subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                             "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
@@ -55,7 +49,6 @@ def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster, policy)
     pytest.importorskip("transformers")
     import json
     import sys
-    import time
     import urllib.request
 
     d, _ = make_tiny_model(tmp_path, "llama")
@@ -65,24 +58,14 @@ def test_serve_joins_an_external_ray_cluster(tmp_path, external_cluster, policy)
     prompt = "the quick brown fox jumps over"
     ids = ckpt.tokenizer.encode(prompt)
     ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=4096)).generate([ids], GREEDY)[0]
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     server = subprocess.Popen([sys.executable, "-m", "flowyard.cli", "serve", "--model", str(d), "--instances", "2",
                                "--policy", policy, "--ray-address", external_cluster, "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stderr.read()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_healthy(server, base, timeout=240)
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
             name = json.loads(r.read())["data"][0]["id"]
         body = json.dumps({"model": name, "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,

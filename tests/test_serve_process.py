@@ -8,18 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from helpers_models import make_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers_serve import free_port, wait_healthy
 
 
 def _start(model_dir, port: int) -> subprocess.Popen:
@@ -28,28 +22,14 @@ def _start(model_dir, port: int) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_up(server: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert server.poll() is None, server.stderr.read()[-3000:]
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.3)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_serve_answers_then_stops_on_a_signal(tmp_path, sig):
     d, _ = make_tiny_model(tmp_path, "llama")
-    port = _free_port()
+    port = free_port()
     server = _start(d, port)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_up(server, base)
+        wait_healthy(server, base)
         body = json.dumps({"model": json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"],
                            "prompt": "the quick brown fox", "max_tokens": 5, "temperature": 0,
                            "ignore_eos": True}).encode()
