@@ -95,3 +95,21 @@ def test_slack_budget_spends_banked_tpot_time_only(cost):
     assert sel._limit([banked], 0.025, 11.0) > 0.025
     assert sel._limit([banked, fresh], 0.025, 10.0) == 0.025  # the tightest decode decides
     assert FlowyardSelector(cost, slack=False)._limit([banked], 0.025, 11.0) == 0.025
+
+
+def _snap(queue=(), decoding=0, tokens=0):
+    return SimpleNamespace(prefill_queue=queue, num_decoding=decoding, num_running=decoding, num_waiting=len(queue),
+                           num_migrating_in=0, running_tokens=tokens, waiting_tokens=sum(n for _, n in queue),
+                           incoming_tokens=0)
+
+
+def test_colocated_dispatch_prefers_light_decode_among_equally_prompt_instances(cost):
+    r = FlowyardRouter(cost)
+    req = Request(id=1, arrival=0.0, prompt_len=200, output_len=10, slo=SLO(ttft=0.5, tpot=0.025))
+    # equal (empty) prefill queues: the instance with fewer decodes wins
+    snaps = {0: _snap(decoding=40, tokens=40_000), 1: _snap(decoding=4, tokens=4_000)}
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    assert r._colocated_pick(req, view, [0, 1]) == 1
+    # a prefill queue worth more than the tolerance outweighs a lighter decode batch
+    snaps[1] = _snap(queue=((0, 4096),), decoding=4, tokens=4_000)
+    assert r._colocated_pick(req, view, [0, 1]) == 0

@@ -59,6 +59,8 @@ class FlowyardConfig:
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
     slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
+    delay_tolerance: float = 0.02  # ... whose delay is within this share of the TTFT SLO of the least
+    dispatch: str = "decode"  # colocated: least decode step among TTFT-safe instances; "delay": least delay
     affinity: float | None = 0.05  # session affinity tolerance (s); None: off
     chunk: int = 2048  # most prefill tokens in one step
     period: float = 0.5  # controller period (s)
@@ -145,8 +147,10 @@ class FlowyardRouter:
         delay = {i: self.arrow.delay(s) for i, s in snaps.items()}
         ttft = req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo
         own = self.arrow.ttft(max(1, req.prompt_len - req.history_len))
-        ok = [i for i in cands if delay[i] + own <= 2 * self.cfg.ttft_share * ttft]
-        if not ok:
+        best = min(delay.values())
+        ok = [i for i in cands if delay[i] + own <= 2 * self.cfg.ttft_share * ttft
+              and delay[i] <= best + self.cfg.delay_tolerance * ttft]
+        if not ok or self.cfg.dispatch == "delay":
             return min(cands, key=lambda i: (delay[i], snaps[i].running_tokens + snaps[i].incoming_tokens, i))
         return min(ok, key=lambda i: (self._decode_step(snaps[i], req.prompt_len), delay[i], i))
 
