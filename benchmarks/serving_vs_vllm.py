@@ -439,8 +439,7 @@ def render_markdown(*, rows, rates, quick: bool, command: str, date: str, revisi
         "benchmark client run on them, one server at a time, and other work on the machine may have "
         "run too, so figures vary from run to run.",
         "",
-        f"flowyard measured at git revision {revision}. Other engineers are changing the engine's decode "
-        "attention and adding weight quantisation: flowyard's numbers here are a snapshot of that revision.",
+        f"flowyard measured at git revision {revision}.",
         "",
         f"Versions: vLLM side: {vv or 'unknown'}. flowyard side: {fv or 'unknown'}.",
         "",
