@@ -161,11 +161,7 @@ class ArrowScenario(Scenario):
         if key not in self._cache:
             cfg = self.cfg.replace(policy=policy, rate_scale=rate / self.base_rate)
             p = run_apoint(cfg, self.workload, self.cost)
-            self.tally.runs += 1
-            self.tally.events += p.events
-            self.tally.sim_wall_s += p.wall_s
-            if p.error:
-                self.tally.failures.append(f"{self.name}, {label or policy}, {rate:.3f} req/s: {p.error}")
+            self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s", p.wall_s, p.error, p.events)
             if self.log is not None:
                 self.log(f"  {self.name:>22} {label or policy:>24}  rate {rate:8.3f}  attainment "
                          f"{p.attainment:6.1%}  ({p.wall_s:.2f} s)")

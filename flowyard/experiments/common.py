@@ -93,6 +93,14 @@ class Tally:
     sim_wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)  # "what: error" of runs that did not finish
 
+    def record(self, what: str, wall_s: float, error: str | None, events: int = 0) -> None:
+        """Count one simulation; keep "what: error" when it did not finish."""
+        self.runs += 1
+        self.events += events
+        self.sim_wall_s += wall_s
+        if error:
+            self.failures.append(f"{what}: {error}")
+
 
 class Scenario:
     """A cluster and an unscaled workload whose mean arrival rate is `base_rate` req/s."""
@@ -120,12 +128,8 @@ class Scenario:
         if key not in self._cache:
             cfg = self.cfg.replace(policy=policy, rate_scale=rate / self.base_rate)
             p = run_point(cfg, self._with_slo(slo_scale), self.cost, flowprefill)
-            self.tally.runs += 1
-            self.tally.events += p.events
-            self.tally.sim_wall_s += p.wall_s
-            if p.error:
-                self.tally.failures.append(f"{self.name}, {label or policy}, {rate:.3f} req/s, SLO x{slo_scale:g}: "
-                                           f"{p.error}")
+            self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s, SLO x{slo_scale:g}", p.wall_s,
+                              p.error, p.events)
             if self.log is not None:
                 self.log(f"  {self.name:>12} {label or policy:>16}  rate {rate:7.3f}  slo x{slo_scale:5.2f}"
                          f"  attainment {p.attainment:6.1%}  ({p.wall_s:.2f} s)")

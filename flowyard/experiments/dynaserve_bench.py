@@ -116,12 +116,9 @@ class Cluster:
             res = sim.run()
         except SimulationError as e:
             p = _nan_point(rate, f"{type(e).__name__}: {e}")
-            self.tally.failures.append(f"{self.model} TP{self.tp}, {system}, {key} at {rate:.3f} req/s: {p.error}")
         else:
             p = self._reduce(rate, res, sim)
-        self.tally.runs += 1
-        self.tally.events += p.events
-        self.tally.sim_wall_s += p.wall_s
+        self.tally.record(f"{self.model} TP{self.tp}, {system}, {key} at {rate:.3f} req/s", p.wall_s, p.error, p.events)
         if self.log is not None:
             self.log(f"  {self.model:>12} TP{self.tp} {system + (f' c{chunk}' if chunk else ''):>16} {key:>22} "
                      f"rate {rate:7.3f}  P99 TBT {p.tbt_p99 * 1e3:6.1f} ms  goodput {p.goodput_tps:8.1f} tok/s "

@@ -210,10 +210,7 @@ class Row_:
             router = getattr(policy_obj.global_scheduler, "dispatcher", None)
             switches, dis = _regime_time(router, s.duration_s, min(st.req.arrival for st in res.states))
             p = FPoint(s.slo_attainment, s.throughput_rps, s.ttft["p90"], s.tpot["p90"], switches, float(dis), res.wall_s)
-        self.tally.runs += 1
-        self.tally.sim_wall_s += p.wall_s
-        if p.error:
-            self.tally.failures.append(f"{self.name}, {label or policy}, {rate:.3f} req/s: {p.error}")
+        self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s", p.wall_s, p.error)
         if self.log is not None:
             self.log(f"  {self.name:>34} {label or policy:>36}  rate {rate:8.3f}  attainment {p.attainment:6.1%}"
                      f"  ({p.wall_s:.2f} s)")

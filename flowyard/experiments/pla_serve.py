@@ -185,9 +185,7 @@ class Runner:
             nan = math.nan
             return CLPoint(*([nan] * 11), error=str(e))
         p = self._measure(res, sim, computed, prefill)
-        self.tally.runs += 1
-        self.tally.events += res.events
-        self.tally.sim_wall_s += res.wall_s
+        self.tally.record(what, res.wall_s, None, res.events)  # a failed run is a failure, not a run
         if self.log is not None:
             self.log(f"  {what:<58} c={conc:<4} rps {p.rps:7.2f}  TTFT mean {1e3 * p.ttft_mean:7.1f} ms  "
                      f"p90 {1e3 * p.ttft_p90:7.1f} ms  viol {p.violation:5.1%}  ({res.wall_s:.1f} s)")
