@@ -26,11 +26,13 @@ CONTEXTS = (16, 256, 1024)
 STREAMS = 8
 
 
-def steps_at(engine: LLMEngine, ctx: int, tag: str) -> float:
-    """Best seconds of a pure 8-decode step with every context about `ctx` tokens."""
+def steps_at(engine: LLMEngine, ctx: int, tag: str, salt: int = 0) -> float:
+    """Best seconds of a pure 8-decode step with every context about `ctx` tokens. `salt`
+    changes the prompts, so that an engine with prefix caching prefills them anew."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for i in range(STREAMS):
-        engine.add_request(f"{tag}-{ctx}-{i}", [(i * 977 + j * 13 + ctx) % 40000 + 100 for j in range(ctx)], params)
+        prompt = [(i * 977 + j * 13 + ctx + salt) % 40000 + 100 for j in range(ctx)]
+        engine.add_request(f"{tag}-{ctx}-{i}", prompt, params)
     times = []
     while engine.has_unfinished():
         t = time.perf_counter()

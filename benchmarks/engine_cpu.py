@@ -30,6 +30,8 @@ from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 
+from decode_context import steps_at  # this folder: 8-stream decode steps at a given context
+
 # Issue 3's reference figures (tokens/s, 2-core AVX-512 machine of the CI kind).
 PUBLISHED = {
     "single": {"vLLM CPU": 18.0, "llama.cpp Q4_1": 67.0},
@@ -90,25 +92,8 @@ def ours(dtype: str, attention: str, repeat: int, quantization: str | None = Non
         engine_nc.generate([long], SamplingParams(max_tokens=1, temperature=0))
         return 1000 / (time.perf_counter() - t)
 
-    def ctx_step(ctx: int) -> float:
-        """Seconds of one 8-stream decode step at `ctx`-token contexts (best of 8 steps)."""
-        rep = len(decode_rates) + ctx
-        prompts = [[(i * 977 + j * 13 + rep) % 40000 + 100 for j in range(ctx)] for i in range(8)]
-        for i, p in enumerate(prompts):
-            engine.add_request(f"ctx-{ctx}-{rep}-{i}", p, SamplingParams(max_tokens=10, temperature=0,
-                                                                            ignore_eos=True))
-        times = []
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            outs = engine.step()
-            plan = engine.last_plan
-            if plan is not None and not plan.prefills and len(plan.decodes) == 8:
-                times.append(time.perf_counter() - t)
-            del outs
-        return min(times)
-
-    step16 = min(ctx_step(16) for _ in range(repeat))
-    step1k = min(ctx_step(1024) for _ in range(repeat))
+    step16 = min(steps_at(engine, 16, f"ctx{r}", salt=r) for r in range(repeat))
+    step1k = min(steps_at(engine, 1024, f"ctx{r}", salt=r) for r in range(repeat))
     return {"single": best(single, repeat), "streams32": best(streams, repeat), "decode32": max(decode_rates),
             "prefill": best(prefill, repeat), "step16": step16, "step1k": step1k}
 
