@@ -42,14 +42,13 @@ class AsyncLLMEngine:
         self._pending = 0  # accepted, not yet seen by the engine loop
         self._stop = threading.Event()
         self._error: str | None = None
-        self._deferred: list[tuple] = []
-        self._until = lambda: False  # commands met at an operator boundary, for after the step
+        self._deferred: list[tuple] = []  # commands met at an operator boundary, for after the step
         if hasattr(engine, "boundary_hook"):
             engine.boundary_hook = self._admit_arrivals
-        self._thread = threading.Thread(target=self._loop, name="flowyard-engine", daemon=True)
         if start:
+            self._thread = threading.Thread(target=self._loop, name="flowyard-engine", daemon=True)
             self._thread.start()
-        else:
+        else:  # the caller runs the loop (run_forever) on this thread
             self._thread = threading.current_thread()
 
     # -- EngineClient -----------------------------------------------------------------------
@@ -102,8 +101,7 @@ class AsyncLLMEngine:
     def run_forever(self, until=lambda: False) -> None:
         """Run the engine loop on this thread until `shutdown()` or `until()` is true (checked
         at least every half second)."""
-        self._until = until
-        self._loop()
+        self._loop(until)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -154,8 +152,8 @@ class AsyncLLMEngine:
         except queue.Empty:
             pass
 
-    def _loop(self) -> None:
-        while not self._stop.is_set() and not self._until():
+    def _loop(self, until=lambda: False) -> None:
+        while not self._stop.is_set() and not until():
             deferred, self._deferred = self._deferred, []
             for cmd in deferred:
                 self._apply(cmd)

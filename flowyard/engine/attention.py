@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from flowyard.engine.paged_kernel import paged_decode
+from flowyard.engine.paged_kernel import paged_decode, raw
 
 
 @dataclass(slots=True)
@@ -124,12 +124,6 @@ class AttentionBatch:
             self.decode_gather = plan_decode(self.decode_block_tables, self.decode_ctx_lens, cache.shape[1],
                                              dtype, exact=not (self.grouped_decode or self.paged_decode))
         return self.decode_gather
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """`t` as bytes where it holds float8 (an fp8 KV cache): PyTorch's CPU index_copy and
-    index_select have no float8 kernels, and moving bytes is the same thing."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

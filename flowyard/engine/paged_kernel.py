@@ -134,14 +134,19 @@ class PagedKernel:
         return out
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bytes where it holds float8 (an fp8 KV cache): PyTorch's CPU index_copy and
+    index_select have no float8 kernels, and moving bytes is the same thing."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """The kernel's math in PyTorch, for tests: same shapes, float32 inside."""
     nb, bs = tables.shape[1], k_cache.shape[1]
     qf = q.float() * q.shape[-1] ** -0.5
-    k = k_cache.view(torch.uint8)[tables].view(k_cache.dtype) if k_cache.element_size() == 1 else k_cache[tables]
-    v = v_cache.view(torch.uint8)[tables].view(v_cache.dtype) if v_cache.element_size() == 1 else v_cache[tables]
-    k, v = k.flatten(1, 2).float(), v.flatten(1, 2).float()  # (B, T, kvh, D)
+    k = raw(k_cache)[tables].view(k_cache.dtype).flatten(1, 2).float()  # (B, T, kvh, D)
+    v = raw(v_cache)[tables].view(v_cache.dtype).flatten(1, 2).float()
     s = torch.einsum("bhgd,bthd->bhgt", qf, k)
     pad = torch.arange(nb * bs).view(1, 1, 1, -1) >= lens.view(-1, 1, 1, 1)
     p = torch.softmax(s.masked_fill(pad, float("-inf")), dim=-1)
