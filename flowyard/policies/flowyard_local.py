@@ -24,7 +24,7 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
 from __future__ import annotations
 
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
+from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
@@ -95,7 +95,7 @@ class FlowyardSelector(DynaServeSelector):
         order (fcfs, edf) keeps vLLM's rule (started prompts first)."""
         if self.order.static:
             return super().select(plan, now)
-        core, kv = self.core, self.core.kv
+        core = self.core
         key = self.order.key
         self._rank(now)
         started = [r for r in core.running if r.in_prefill and r.status is Status.RUNNING]
@@ -109,27 +109,16 @@ class FlowyardSelector(DynaServeSelector):
             if budget <= 0:
                 break
             if entry is None:  # started: its KV grows chunk by chunk (held while it waits)
-                if st.status is not Status.RUNNING:
-                    continue  # preempted by an earlier grow this step
-                n = self._chunk(self.want(st), budget, plan)
-                if n and core.grow(st, st.num_computed + n, plan, now):
-                    plan.prefills.append(PrefillSlice(st, st.num_computed, n))
-                    budget -= n
+                if st.status is Status.RUNNING:  # else preempted by an earlier grow this step
+                    budget -= self.continue_prompt(st, budget, plan, now)
                 continue
             if not admit or len(core.running) >= core.max_num_seqs:
                 continue
-            cached = kv.match_prefix(st) if st.num_computed == 0 else 0
-            st.num_computed += cached
-            n = self._chunk(self.want(st), budget, plan)
-            if not n or not kv.allocate(st.id, st.num_computed + n):
-                if cached:
-                    kv.free(st.id)
-                    st.num_computed = 0
+            n = self.start_prompt(st, budget, plan)
+            if not n:
                 admit = False  # started prompts still get their chunks (they hold KV already)
                 continue
             taken.append(entry)
-            core.start(st)
-            plan.prefills.append(PrefillSlice(st, st.num_computed, n))
             budget -= n
         if taken:
             gone = {id(e) for e in taken}

@@ -193,32 +193,47 @@ class ChunkedSelector(PrefillSelector):
         return self.token_budget
 
     def select(self, plan: StepPlan, now: float) -> StepPlan:
-        core, kv = self.core, self.core.kv
+        core = self.core
         budget_total = self.token_budget
         for st in [r for r in core.running if r.in_prefill]:
             budget = budget_total - plan.num_tokens
             if st.status is not Status.RUNNING or budget <= 0:
                 continue
-            n = self._chunk(self.want(st), budget, plan)
-            if n and core.grow(st, st.num_computed + n, plan, now):
-                plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+            self.continue_prompt(st, budget, plan, now)
         budget = budget_total - plan.num_tokens
         self._rank(now)
         while self._waiting and budget > 0 and len(core.running) < core.max_num_seqs:
-            st = self._waiting[0][2]
-            cached = kv.match_prefix(st) if st.num_computed == 0 else 0
-            st.num_computed += cached
-            n = self._chunk(self.want(st), budget, plan)
-            if not n or not kv.allocate(st.id, st.num_computed + n):
-                if cached:  # give the shared prefix back; it is matched again next time
-                    kv.free(st.id)
-                    st.num_computed = 0
+            n = self.start_prompt(self._waiting[0][2], budget, plan)
+            if not n:
                 break
             self._pop()
-            core.start(st)
-            plan.prefills.append(PrefillSlice(st, st.num_computed, n))
             budget -= n
         return plan
+
+    def continue_prompt(self, st: RequestState, budget: int, plan: StepPlan, now: float) -> int:
+        """Give a started prompt its next chunk within `budget` (growing its KV); the tokens
+        taken, 0 if none."""
+        n = self._chunk(self.want(st), budget, plan)
+        if n and self.core.grow(st, st.num_computed + n, plan, now):
+            plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+            return n
+        return 0
+
+    def start_prompt(self, st: RequestState, budget: int, plan: StepPlan) -> int:
+        """Start a queued prompt with its first chunk after any cached prefix; the tokens
+        taken, or 0 when no chunk or no KV is left for it."""
+        kv = self.core.kv
+        cached = kv.match_prefix(st) if st.num_computed == 0 else 0
+        st.num_computed += cached
+        n = self._chunk(self.want(st), budget, plan)
+        if not n or not kv.allocate(st.id, st.num_computed + n):
+            if cached:  # give the shared prefix back; it is matched again next time
+                kv.free(st.id)
+                st.num_computed = 0
+            return 0
+        self.core.start(st)
+        plan.prefills.append(PrefillSlice(st, st.num_computed, n))
+        return n
 
     @staticmethod
     def want(st: RequestState) -> int:
