@@ -1,5 +1,5 @@
-"""Weight-only int8/int4 linears (flowyard/engine/quant.py): the kernels multiply by the weights
-they claim to, the engine uses them where they pay, bad settings fail clearly, and the
+"""Quantised linears (flowyard/engine/quant.py; weight-only int8/int4, and W8A8): the kernels
+multiply by the weights they claim to, the engine uses them where they pay, bad settings fail clearly, and the
 quantised embedded model's greedy tokens stay close to bfloat16's, judged the way vLLM's tests
 judge a quantised model (tests/helpers_close.py: tokens equal, or where they first differ each
 side's token is among the other's top-5 log-probabilities, as each engine reported them)."""
@@ -13,11 +13,11 @@ from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.llm_engine import EngineConfig, LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
-from flowyard.engine.quant import QuantizedLinear, QuantWeight, quantize_model
+from flowyard.engine.quant import W8A8_MIN_ROWS, QuantizedLinear, QuantWeight, quantize_model, w8a8_linear
 from flowyard.engine.sampling import SamplingParams
 from helpers_close import check_greedy_close
 
-MODES = ["int8", "int4"]
+MODES = ["int8", "int4", "w8a8"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -32,14 +32,37 @@ def test_kernel_multiplies_by_its_dequantised_weight(mode, dtype):
     assert torch.equal(w, before)  # the source weight is not touched
     for rows in (1, 5, 32):
         x = torch.randn(rows, 128).to(dtype)
-        ref = x.float() @ deq.t()
+        if mode == "w8a8" and rows >= W8A8_MIN_ROWS:  # what it multiplies is x rounded per row
+            sx = x.float().abs().amax(dim=1, keepdim=True) / 127
+            x_used = (x.float() / sx).round() * sx
+        else:
+            x_used = x.float()
+        ref = x_used @ deq.t()
         got = qw(x)
         assert got.dtype == dtype
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bfloat16: the output's own rounding
         assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
     # the quantised weight is close to the original: within half a step of its grid
     err = (deq - w.float()).abs().max() / w.float().abs().max()
-    assert err < (0.01 if mode == "int8" else 0.1), err
+    assert err < (0.1 if mode == "int4" else 0.01), err
+
+
+def test_w8a8_scales_each_row_by_its_own_maximum():
+    """One outlier row must not coarsen the others (per-token, not per-tensor, activation
+    scales), and an all-zero row stays zero instead of dividing by zero."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 96) * 0.05
+    qw, deq = QuantWeight.make(w, "w8a8")
+    x = torch.randn(8, 96)
+    x[3] *= 1000  # an outlier token
+    x[5] = 0
+    before = x.clone()
+    got = w8a8_linear(x, qw.q, qw.scale)
+    assert torch.equal(x, before)  # float32 input: quantised in a copy, not in place
+    ref = x @ deq.t()
+    rel = ((got - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-30))
+    assert rel[[0, 1, 2, 4, 6, 7]].max() < 0.02 and rel[3] < 0.02, rel
+    assert torch.equal(got[5], torch.zeros(64))
 
 
 def test_int4_reproduces_4bit_group_weights_exactly():
@@ -83,7 +106,7 @@ def test_engine_routes_small_batches_to_the_quantised_kernel(tiny_dir, mode):
     # the layer weights were replaced by their dequantised values: both paths agree
     x = torch.randn(3, layer.qkv.weight.shape[1]).bfloat16()
     small = linear(x, layer.qkv.weight, layer.qkv.bias)
-    large = linear(x.repeat(linear.max_rows, 1), layer.qkv.weight, layer.qkv.bias)[:3]
+    large = linear(x.repeat(min(linear.max_rows, 4), 1), layer.qkv.weight, layer.qkv.bias)[:3]
     assert torch.allclose(small.float(), large.float(), atol=2e-2, rtol=2e-2)
     calls = []
     orig = QuantWeight.__call__
@@ -95,6 +118,8 @@ def test_engine_routes_small_batches_to_the_quantised_kernel(tiny_dir, mode):
         QuantWeight.__call__ = orig
     assert all(len(o.new_token_ids) == 4 for o in out)
     assert calls and max(calls) <= linear.max_rows
+    if mode == "w8a8":  # the 6-token prefill too
+        assert max(calls) >= W8A8_MIN_ROWS
     # a second engine on the same model (as a LocalCluster builds) reuses the quantised copies
     again = LLMEngine(engine.model, tok, EngineConfig(dtype="bfloat16", quantization=mode))
     assert again.model.linear.lookup(layer.qkv.weight) is qw
@@ -102,7 +127,7 @@ def test_engine_routes_small_batches_to_the_quantised_kernel(tiny_dir, mode):
 
 def test_bad_quantization_settings_fail_clearly(tiny_dir):
     for bad in ("int3", "INT8", "fp8", ""):
-        with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        with pytest.raises(ValueError, match="quantization must be one of int8, int4, w8a8"):
             EngineConfig(quantization=bad)
     model, tok = _tiny_model(tiny_dir)
     LLMEngine(model, tok, EngineConfig(dtype="bfloat16", quantization="int4"))

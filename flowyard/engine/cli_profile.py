@@ -12,8 +12,8 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 where the CPU has native bfloat16 matmuls (or on a GPU), else float32")
     p.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="profile the engine with weight-only quantised linears (as serve --quantization)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                   help="profile the engine with quantised linears (as serve --quantization)")
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median kept)")
     p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB",

@@ -52,8 +52,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # chunked-prefill token budget
     max_waiting: int = 256  # bounded queue; past it the server answers 429
     threads: int | None = None
-    # Weight-only quantised linears for decode (quant.py): None, "int8" or "int4". Applied in
-    # place when the engine is built; few-row GEMMs then read int8/int4 weights.
+    # Quantised linears (quant.py): None, "int8" or "int4" (weight-only: few-row GEMMs read
+    # int8/int4 weights) or "w8a8" (int8 weights, and int8 activations from 5 rows on).
+    # Applied in place when the engine is built.
     quantization: str | None = None
     # Decode attention: "paged" (default, fastest) reads KV blocks in place with a compiled
     # kernel (paged_kernel.py); "grouped" gathers blocks then runs one SDPA call; "exact"

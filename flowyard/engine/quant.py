@@ -1,4 +1,5 @@
-"""Weight-only quantised linears for CPU decode: int8 per output channel, int4 per group of 32.
+"""Quantised linears for the CPU engine: weight-only int8 (per output channel) and int4 (per
+group of 32) for decode, and W8A8 (int8 weights and per-token int8 activations) for batches.
 
 Why: a one-row decode step is memory-bound. SmolLM2-135M reads about 270 MB of bfloat16
 weights per token (212 MB in the 30 layers, 57 MB in the tied lm_head); int8 halves that and
@@ -29,6 +30,13 @@ the mean error is about twice what the bfloat16 cast alone adds. int8 per output
 coarser than Q4_1's groups here (mean error 5x int4's): its one scale spans all 576 columns.
 Only the decoder layers' linears are quantised; the lm_head (tied embedding) stays
 bfloat16 (see `_layer_weights`).
+
+w8a8: compute-bound GEMMs (prefill chunks, many decode rows) need fewer multiply cycles, not
+fewer weight bytes. Without AMX this CPU's int8 VNNI GEMM (`aten._int_mm`) runs about 7x
+oneDNN's bfloat16 one, and even with each call's activation quantisation and rescaling a
+256-token prefill of SmolLM2 takes 152 ms against 405 ms. The same int8 codes serve one to
+four rows through `_weight_int8pack_mm` (bfloat16 activations, as "int8"), where quantising
+activations does not pay. Quality: tests/test_quant.py, benchmarks/results/engine_quant.md.
 """
 
 from __future__ import annotations
@@ -39,10 +47,13 @@ import torch
 
 from flowyard.engine.model import CausalLM, PackedLinear
 
-QUANTIZATION_MODES = ("int8", "int4")
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZE = 32
 # Rows up to which the quantised kernel beats bfloat16 PackedLinear (measured, see above).
-MAX_QUANT_ROWS = {"int8": 4, "int4": 16}
+# w8a8 has a kernel for every row count: weight-only int8 up to W8A8_MIN_ROWS - 1 rows,
+# int8 x int8 from W8A8_MIN_ROWS (see w8a8_linear).
+MAX_QUANT_ROWS = {"int8": 4, "int4": 16, "w8a8": 1 << 62}
+W8A8_MIN_ROWS = 5
 
 
 def check_quantization(mode: str | None) -> None:
@@ -117,7 +128,7 @@ class QuantWeight:
     def make(cls, weight: torch.Tensor, mode: str,
              scratch: Scratch | None = None) -> tuple["QuantWeight", torch.Tensor]:
         """Quantise `weight`; also return its dequantised values (float32, in `scratch`)."""
-        if mode == "int8":
+        if mode in ("int8", "w8a8"):
             q, scale, dequantized = quantize_int8(weight, scratch)
             return cls(mode, q, scale), dequantized
         codes, scale_zeros, dequantized = quantize_int4(weight, scratch=scratch)
@@ -127,18 +138,37 @@ class QuantWeight:
     @staticmethod
     def supports(weight: torch.Tensor, mode: str) -> bool:
         """int4 needs whole groups along K; anything else stays in PackedLinear."""
-        return weight.dim() == 2 and (mode == "int8" or weight.shape[1] % INT4_GROUP_SIZE == 0)
+        return weight.dim() == 2 and (mode != "int4" or weight.shape[1] % INT4_GROUP_SIZE == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8":
+        if self.mode == "w8a8" and x.shape[0] >= W8A8_MIN_ROWS:
+            return w8a8_linear(x, self.q, self.scale)
+        if self.mode != "int4":
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP_SIZE, self.scale)
 
 
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale).T with x quantised to int8 per row (dynamic, symmetric).
+
+    Why: without AMX this CPU multiplies int8 (AVX512-VNNI, `aten._int_mm`) about 7x faster
+    than oneDNN's bfloat16 GEMM (1,250 against 165 GOP/s at 256 x 576 x 3,072), so prefill
+    chunks and large decode batches, which are compute-bound, gain most. Each row's own scale
+    keeps one outlier token from coarsening the others (SmoothQuant's per-token dynamic
+    scheme, which vLLM serves as W8A8 int8).
+    """
+    xf = x.to(torch.float32, copy=True)  # a copy even from float32: x must not change
+    sx = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
+    xq = xf.div_(sx).round_().to(torch.int8)
+    y = torch._int_mm(xq, q.t())
+    return y.float().mul_(sx).mul_(scale.float()).to(x.dtype)
+
+
 class QuantizedLinear(PackedLinear):
     """`model.linear` for a quantised model: a call with at most `max_rows` rows on a weight
-    that `quantize_model` quantised goes to the int8/int4 kernel; everything else (prefill
-    chunks, large batches, the lm_head) to PackedLinear on the bfloat16 weights.
+    that `quantize_model` quantised goes to the quantised kernel; everything else (the lm_head;
+    for int8/int4 also prefill chunks and large batches) to PackedLinear on the bfloat16
+    weights.
 
     Entries are keyed by the weight's identity and version, as PackedLinear's are: a weight
     loaded or replaced since (`load_weights`, `.to(float32)`) runs unquantised until
