@@ -288,9 +288,17 @@ def running_server(name: str, cmd: list[str], port: int, log: Path, env_extra: d
 
 # --- the client -------------------------------------------------------------------------------
 
+def slo_headers() -> list[str]:
+    """The goodput SLOs as flowyard's per-request SLO headers (`--header` values of the client).
+    Every server gets them; vLLM ignores headers it does not know."""
+    ms = dict(g.split(":") for g in GOODPUT)
+    return ["--header", f"x-slo-ttft-ms={ms['ttft']}", f"x-slo-tpot-ms={ms['tpot']}"]
+
+
 def client_args(base_url: str, hf_dir: Path, rate: float, num_prompts: int, seed: int,
-                result_dir: Path, result_file: str) -> list[str]:
-    """`vllm bench serve` arguments (after `vllm`)."""
+                result_dir: Path, result_file: str, headers: bool = False) -> list[str]:
+    """`vllm bench serve` arguments (after `vllm`); with `headers`, each request carries the
+    goodput SLOs (slo_headers)."""
     return ["bench", "serve", "--backend", "openai", "--base-url", base_url, "--model", SERVED_NAME,
             "--tokenizer", str(hf_dir), "--dataset-name", "random",
             "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN), "--ignore-eos",
@@ -298,7 +306,7 @@ def client_args(base_url: str, hf_dir: Path, rate: float, num_prompts: int, seed
             "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}", "--seed", str(seed),
             "--goodput", *GOODPUT, "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--save-detailed", "--result-dir", str(result_dir),
-            "--result-filename", result_file, "--disable-tqdm"]
+            "--result-filename", result_file, "--disable-tqdm", *(slo_headers() if headers else [])]
 
 
 def run_client(python: Path, args: list[str], log: Path, timeout: float) -> None:
@@ -405,6 +413,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM where present, as its CPU guide asks")
     p.add_argument("--flowyard-arg", action="append", default=[],
                    help="extra argument for `flowyard serve` (repeatable), e.g. --flowyard-arg=--attention=grouped")
+    p.add_argument("--slo-headers", action="store_true",
+                   help="send the goodput SLOs with every request (x-slo-ttft-ms, x-slo-tpot-ms), to every "
+                        "server, so SLO-aware flowyard policies can schedule by them")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--client-timeout", type=float, default=1800, help="seconds one `vllm bench serve` may take")
     p.add_argument("--result-dir", type=Path, default=None,
@@ -491,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i, rate in enumerate(rates):
                     name = f"{server}-rate{rate:g}.json"
                     cargs = client_args(url, hf_dir, rate, num_prompts[rate], seed=i, result_dir=result_dir,
-                                        result_file=name)
+                                        result_file=name, headers=args.slo_headers)
                     client_example = shlex.join(cargs)
                     run_client(python, cargs, result_dir / f"{server}-rate{rate:g}-client.log",
                                args.client_timeout)
