@@ -184,3 +184,11 @@ def test_find_vllm_python_default_search(bench, tmp_path, monkeypatch):
     assert bench.find_vllm_python(None, default_venv=venv_py) == py
     # an explicit python without vllm is refused
     assert bench.find_vllm_python(str(fake_python(tmp_path / "novllm", has_vllm=False))) is None
+
+
+def test_slo_headers_carry_the_goodput_slos(bench, tmp_path):
+    a = bench.client_args("http://127.0.0.1:9", Path("/m"), 2.0, 10, seed=0, result_dir=tmp_path,
+                          result_file="x.json", headers=True)
+    assert a[-3:] == ["--header", "x-slo-ttft-ms=500", "x-slo-tpot-ms=100"]  # last: nargs="*"
+    assert "--header" not in bench.client_args("http://127.0.0.1:9", Path("/m"), 2.0, 10, seed=0,
+                                               result_dir=tmp_path, result_file="x.json")
