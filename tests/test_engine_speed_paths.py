@@ -159,6 +159,51 @@ def _check_packed(lin, g, w, b):
     assert torch.equal(lin(x, w, b), F.linear(x, w, b)) and len(lin._cache) == 1
 
 
+@pytest.mark.skipif(not PackedLinear.available, reason="no oneDNN bfloat16 on this CPU")
+def test_large_f32_gemms_round_like_bf16_and_leave_small_ones_bitwise():
+    """large_f32 (CPUs where fp32 GEMMs beat oneDNN bf16): from F32_MIN_ROWS rows the product
+    is the float32 one rounded once, so within a bfloat16 ulp of oneDNN's; fewer rows keep
+    oneDNN's bits."""
+    from flowyard.engine.model import F32_MIN_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(960, 576, generator=g) * 0.05).bfloat16()
+    b = torch.randn(960, generator=g).bfloat16()
+    lin = PackedLinear()
+    lin.large_f32 = True
+    with torch.inference_mode():
+        for m in (1, 32, F32_MIN_ROWS - 1, F32_MIN_ROWS, 300):
+            x = torch.randn(m, 576, generator=g).bfloat16()
+            got, ref = lin(x, w, b), F.linear(x, w, b)
+            exact = (F.linear(x.float(), w.float(), b.float())).bfloat16()
+            if m < F32_MIN_ROWS:
+                assert torch.equal(got, ref), m
+            else:
+                assert torch.equal(got, exact), m
+                assert torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2), m
+
+
+def test_engine_uses_large_f32_gemms_except_in_exact_mode(monkeypatch):
+    from flowyard.engine import model as model_mod
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+
+    monkeypatch.setenv("FLOWYARD_LARGE_GEMM", "f32")
+    model_mod.large_gemm_f32.cache_clear()
+    try:
+        fast = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16"))
+        assert fast.model.linear.large_f32 is PackedLinear.available
+        exact = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16", attention="exact"))
+        assert exact.model.linear.large_f32 is False
+        f32 = LLMEngine.from_path(None, EngineConfig(dtype="float32"))
+        assert f32.model.linear.large_f32 is False
+        monkeypatch.setenv("FLOWYARD_LARGE_GEMM", "fast")
+        model_mod.large_gemm_f32.cache_clear()
+        with pytest.raises(ValueError, match="FLOWYARD_LARGE_GEMM must be auto, bf16 or f32, got 'fast'"):
+            model_mod.large_gemm_f32()
+    finally:
+        model_mod.large_gemm_f32.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def smol_bf16():
     from flowyard.engine.llm_engine import EngineConfig, LLMEngine

@@ -22,7 +22,7 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
-from flowyard.engine.model import LAYER_OPS, CausalLM, PackedLinear
+from flowyard.engine.model import LAYER_OPS, CausalLM, PackedLinear, large_gemm_f32
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.quant import check_quantization, quantize_model
 from flowyard.engine.runner import ModelRunner
@@ -130,6 +130,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.dtype = DTYPES[resolve_dtype(config.dtype)]
         self.model = quantize_model(model.to(self.dtype).eval(), config.quantization)
+        # Large bfloat16 GEMMs in float32 where that is faster; never in `exact` mode, whose
+        # point is transformers' own bfloat16 kernels.
+        self.model.linear.large_f32 = (config.attention != "exact" and self.dtype == torch.bfloat16
+                                       and self.model.embed.weight.device.type == "cpu" and large_gemm_f32())
         cfg = model.cfg
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize

@@ -10,6 +10,9 @@ simulator a cost model with the same operator names.
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 from typing import Generator
 
 import torch
@@ -30,6 +33,41 @@ def _mkldnn_bf16() -> bool:
         return False
 
 
+# GEMMs with at least this many rows may run in float32 (see large_gemm_f32).
+F32_MIN_ROWS = 128
+
+
+@functools.cache
+def large_gemm_f32() -> bool:
+    """Whether this CPU multiplies large bfloat16 GEMMs faster by widening both sides to
+    float32 (MKL) than with oneDNN's bfloat16 kernel. Without AMX, Sapphire Rapids runs
+    oneDNN bf16 at about 165 GFLOP/s and MKL fp32 at 300 (the bf16 dot-product instruction
+    has no more throughput there than an fp32 FMA), so a 256-token prefill's linears cost
+    1.5x less in float32 even with the weights widened on every call; a Zen 4 or an AMX
+    part is the other way round. Measured once per process on a prefill-sized GEMM, best of
+    three each way, since flags alone do not tell. FLOWYARD_LARGE_GEMM=bf16|f32 decides
+    instead. Accumulation is float32 either way; only the summation order differs."""
+    forced = os.environ.get("FLOWYARD_LARGE_GEMM", "auto")
+    if forced not in ("auto", "bf16", "f32"):
+        raise ValueError(f"FLOWYARD_LARGE_GEMM must be auto, bf16 or f32, got {forced!r}")
+    if forced != "auto" or not PackedLinear.available:
+        return forced == "f32"
+    x, w = torch.randn(256, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(4):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+
+    bf16 = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    f32 = best(lambda: F.linear(x.float(), w.float()).bfloat16())
+    return f32 < 0.8 * bf16
+
+
 class PackedLinear:
     """F.linear with oneDNN-blocked copies of bfloat16 weights, made once and reused.
 
@@ -41,12 +79,16 @@ class PackedLinear:
     weights (about 270 MB for SmolLM2 in bfloat16). float32 is left alone: its F.linear goes
     through MKL, which rounds differently from oneDNN. An entry is used only for the very
     weight tensor it was made from, at the same version (in-place loads bump it).
+    With `large_f32` (the engine sets it where `large_gemm_f32()` measured it faster),
+    calls of F32_MIN_ROWS rows or more widen input and weight to float32 instead.
     """
 
     available = _mkldnn_bf16()
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, packed)
+        # Set by the engine (not in `exact` mode): GEMMs of F32_MIN_ROWS+ rows run in float32.
+        self.large_f32 = False
 
     def clear(self) -> None:
         self._cache.clear()
@@ -54,6 +96,8 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
             return F.linear(x, weight, bias)
+        if self.large_f32 and x.shape[0] >= F32_MIN_ROWS:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
         version = -1 if weight.is_inference() else weight._version  # inference tensors keep none
         hit = self._cache.get(id(weight))
         if hit is None or hit[0] is not weight or hit[1] != version:
