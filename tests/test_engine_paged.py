@@ -16,6 +16,8 @@ from flowyard.engine.sampling import SamplingParams
 CASES = [  # batch, kv heads, group, head_dim, block size, context lengths
     (1, 3, 3, 64, 16, [1]), (1, 3, 3, 64, 16, [1000]), (8, 3, 3, 64, 16, [16, 1, 33, 64, 200, 17, 5, 9]),
     (5, 2, 4, 128, 8, [7, 8, 9, 100, 3]), (3, 4, 1, 32, 32, [31, 32, 33]), (2, 1, 8, 80, 4, [5, 50]),
+    # the AVX-512 kernel's 16-token tiles: edges, blocks of 48, query rows taken 4 at a time (6 = 4 + 2)
+    (6, 3, 3, 64, 48, [15, 16, 17, 47, 48, 130]), (4, 2, 6, 32, 16, [1, 16, 17, 100]),
 ]
 
 
@@ -33,6 +35,21 @@ def test_kernel_matches_reference(dtype, b, kvh, group, d, bs, lens):
     ref = paged_decode_reference(q, cache[0], cache[1], tables, lens_t)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # one bfloat16 rounding of values ~1
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol), (got.float() - ref.float()).abs().max()
+
+
+def test_kernel_rescales_when_the_max_grows():
+    """Later tokens score ever higher, so the one-pass kernel's running max grows tile after tile."""
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 40, 16, 2, 64, generator=g)
+    cache[0] *= torch.linspace(0.1, 3, 40 * 16).view(40, 16, 1, 1)
+    q = torch.randn(2, 2, 3, 64, generator=g)
+    cache[0] += q[0].mean(1).view(1, 1, 2, 64) * torch.linspace(0, 2, 40 * 16).view(40, 16, 1, 1)
+    tables, lens = torch.arange(40).view(2, 20), torch.tensor([320, 290])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = paged_decode(q.to(dtype), cache[0].to(dtype), cache[1].to(dtype), tables, lens)
+        ref = paged_decode_reference(q.to(dtype), cache[0].to(dtype), cache[1].to(dtype), tables, lens)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol), (got.float() - ref.float()).abs().max()
 
 
 def test_decode_attention_paged_equals_grouped_within_rounding():

@@ -39,6 +39,19 @@ def test_kernel_reads_fp8_blocks_as_pytorch_decodes_them(qdtype, b, kvh, group, 
     assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol), (got.float() - ref.float()).abs().max()
 
 
+def test_kernel_reads_fp8_with_a_large_query():
+    """|q| * scale >= 2^14: the kernel cannot fold the fp8 rebias into q and widens K instead."""
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 8, 16, 2, 128, generator=g)
+    cache[0] *= 1e-4
+    cache = cache.to(FP8)
+    q = torch.randn(2, 2, 3, 128, generator=g) * 4e5
+    tables, lens = torch.arange(8).view(2, 4), torch.tensor([64, 37])
+    got = paged_decode(q, cache[0], cache[1], tables, lens)
+    ref = paged_decode_reference(q, cache[0], cache[1], tables, lens)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+
+
 def test_every_decode_path_takes_an_fp8_cache():
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 40, 16, 3, 64, generator=g).to(FP8)
