@@ -3,9 +3,11 @@ one decode step reads it: 8 sequences, SmolLM2-135M's attention shapes (9 query 
 heads, head_dim 64, the engine's 16-token blocks), 30 calls on 30 distinct layer caches so
 that the KV comes from memory as in the engine, not from L2. Block tables are random
 permutations, as a long-running engine's are. Each figure is the best of --repeats (the VM is
-shared); GB/s counts the K and V bytes of the contexts read once.
+shared); GB/s counts the K and V bytes of the contexts read once. On a busy machine, wall
+time with 2 threads measures the scheduler (a preempted OpenMP thread stalls every call):
+`--threads 1 --cpu-time` times the process's CPU time instead, which others' load barely moves.
 
-    python benchmarks/paged_kernel_speed.py [--contexts 16,256,1024] [--repeats 7] [--threads N]
+    python benchmarks/paged_kernel_speed.py [--contexts 16,256,1024] [--repeats 7] [--threads N] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def layers(ctx: int, dtype: torch.dtype, g: torch.Generator):
     return out
 
 
-def time_step(ctx: int, dtype: torch.dtype, repeats: int) -> float:
+def time_step(ctx: int, dtype: torch.dtype, repeats: int, clock=time.perf_counter) -> float:
     g = torch.Generator().manual_seed(ctx)
     data = layers(ctx, dtype, g)
     q = torch.randn(B, KV_HEADS, GROUP, D, generator=g).bfloat16()
@@ -41,10 +43,10 @@ def time_step(ctx: int, dtype: torch.dtype, repeats: int) -> float:
     assert paged_decode.supports(q, data[0][0])
     best = float("inf")
     for _ in range(repeats + 1):  # the first sweep warms up (and builds the kernel)
-        t = time.perf_counter()
+        t = clock()
         for k, v, tables in data:
             paged_decode(q, k, v, tables, lens)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best
 
 
@@ -53,18 +55,19 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,256,1024")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true", help="time CPU time, not wall time (with --threads 1)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{B} sequences, {KV_HEADS * GROUP} q / {KV_HEADS} KV heads, head_dim {D}, block {BLOCK}, "
-          f"{LAYERS} layers, best of {args.repeats}.\n")
+          f"{LAYERS} layers, best of {args.repeats}{', CPU time' if args.cpu_time else ''}.\n")
     print("| KV cache | context | ms / 30 layers | KV MB read | GB/s |")
     print("|---|---:|---:|---:|---:|")
     for name, dtype in CACHES.items():
         for ctx in contexts:
-            s = time_step(ctx, dtype, args.repeats)
+            s = time_step(ctx, dtype, args.repeats, time.process_time if args.cpu_time else time.perf_counter)
             nbytes = 2 * LAYERS * B * ctx * KV_HEADS * D * torch.tensor([], dtype=dtype).element_size()
             print(f"| {name} | {ctx} | {s * 1e3:.2f} | {nbytes / 1e6:.1f} | {nbytes / s / 1e9:.1f} |", flush=True)
 

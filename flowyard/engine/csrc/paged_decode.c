@@ -10,9 +10,12 @@
  * at a time, flash-decoding style: the tile's 16 dot products per query row are reduced together
  * by a transpose-add tree (no per-token horizontal sum), an online softmax keeps a running max
  * and sum per row and rescales the output accumulators when the max grows, and the tile's V rows
- * are added while its K rows are still fresh. This keeps a decode step near the memory's
- * bandwidth (benchmarks/results/paged_kernel_speed.md). Elsewhere the portable C below does the
- * same math in three passes (scores, softmax, weighted sum).
+ * are added right after its K rows. K and V are widened in registers (bf16 q and K use
+ * AVX512_BF16's dot product, still summed in float32), q and the accumulators stay in registers,
+ * and the next tile's blocks are prefetched while one is worked on: about 2x the three-pass
+ * kernel, near the memory's bandwidth for bf16 caches (benchmarks/results/paged_kernel_speed.md).
+ * Elsewhere the portable C below does the same math in three passes (scores, softmax, weighted
+ * sum).
  *
  * Layouts (contiguous):
  *   q, out   (B, kv_heads, group, D)                 elements of the cache's type
