@@ -204,6 +204,27 @@ def test_engine_uses_large_f32_gemms_except_in_exact_mode(monkeypatch):
         model_mod.large_gemm_f32.cache_clear()
 
 
+def test_engine_uses_small_gemv_except_in_exact_mode(monkeypatch):
+    """Decode linears of 1..4 bfloat16 rows go to the gemv_bf16 C kernel where it compiled,
+    never in exact mode (its point is oneDNN's bits) nor in float32; FLOWYARD_GEMV_KERNEL=0
+    turns it off."""
+    from flowyard.engine import gemv_kernel
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+
+    fast = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16"))
+    assert fast.model.linear.small_gemv is gemv_kernel.gemv_bf16.available()
+    exact = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16", attention="exact"))
+    assert exact.model.linear.small_gemv is False
+    f32 = LLMEngine.from_path(None, EngineConfig(dtype="float32"))
+    assert f32.model.linear.small_gemv is False
+    monkeypatch.setenv("FLOWYARD_GEMV_KERNEL", "0")
+    monkeypatch.setattr(gemv_kernel, "gemv_bf16", gemv_kernel.GemvKernel())  # not loaded yet
+    import flowyard.engine.llm_engine as llm_engine
+    monkeypatch.setattr(llm_engine, "gemv_bf16", gemv_kernel.gemv_bf16)
+    off = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16"))
+    assert off.model.linear.small_gemv is False
+
+
 @pytest.fixture(scope="module")
 def smol_bf16():
     from flowyard.engine.llm_engine import EngineConfig, LLMEngine

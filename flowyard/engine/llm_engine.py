@@ -23,6 +23,7 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
 from flowyard.engine.model import LAYER_OPS, CausalLM, PackedLinear, large_gemm_f32
+from flowyard.engine.gemv_kernel import gemv_bf16
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.quant import check_quantization, quantize_model
 from flowyard.engine.runner import ModelRunner
@@ -134,6 +135,10 @@ class LLMEngine:
         # point is transformers' own bfloat16 kernels.
         self.model.linear.large_f32 = (config.attention != "exact" and self.dtype == torch.bfloat16
                                        and self.model.embed.weight.device.type == "cpu" and large_gemm_f32())
+        # Decode linears of 1 to 4 bfloat16 rows through the gemv_bf16 C kernel where it compiled;
+        # not in `exact` mode either (it rounds once from float32, unlike oneDNN's kernel).
+        self.model.linear.small_gemv = (config.attention != "exact" and self.dtype == torch.bfloat16
+                                        and self.model.embed.weight.device.type == "cpu" and gemv_bf16.available())
         cfg = model.cfg
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize

@@ -1,0 +1,175 @@
+/* y (M, N) = x (M, K) @ W^T (+ bias) for a few rows M (1..4), bfloat16 in and out, float32
+ * accumulation, rounded to bfloat16 (round to nearest even) once per output element.
+ *
+ * Decode linears are memory-bound: every weight is read once per step and each weight row is
+ * dotted with all M input rows while it is in registers, so M rows cost one pass over W.
+ * With AVX512_BF16, four weight rows are in flight at once (four independent load streams and
+ * 4 * M accumulators), 32 bf16 pairs per vdpbf16ps; the sixteen lanes of the four rows'
+ * accumulators are reduced together (hsum4) and four outputs stored at a time. Other CPUs get
+ * a plain C loop the compiler vectorises. N is split across OpenMP threads in static chunks.
+ * See flowyard/engine/gemv_kernel.py for why and for measurements.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GEMV_IMPL 1
+
+/* The sums of a, b, c and d's sixteen lanes each, as one 4-lane vector [a, b, c, d]. */
+static inline __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 2
+#endif
+#define LOADBH(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define LOADBH_MASK(m, p) ((__m512bh)_mm512_maskz_loadu_epi16((m), (const void *)(p)))
+
+/* Outputs n..n+3 for all M rows. */
+static inline __attribute__((always_inline)) void block4(
+    const uint16_t *x, long ldx, const uint16_t *w, long K, const uint16_t *bias, uint16_t *y,
+    long ldy, long n, const int M) {
+    __m512 acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    long k = 0;
+    const long pf = PF_BLOCKS * 4 * K;  /* prefetch the rows PF_BLOCKS blocks ahead */
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w0 + pf + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w1 + pf + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w2 + pf + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w3 + pf + k), _MM_HINT_T1);
+        __m512bh a0 = LOADBH(w0 + k), a1 = LOADBH(w1 + k), a2 = LOADBH(w2 + k), a3 = LOADBH(w3 + k);
+        for (int m = 0; m < M; m++) {
+            __m512bh xv = LOADBH(x + m * ldx + k);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, a0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, a1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, a2);
+            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, a3);
+        }
+    }
+    if (k < K) {
+        __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh a0 = LOADBH_MASK(mk, w0 + k), a1 = LOADBH_MASK(mk, w1 + k);
+        __m512bh a2 = LOADBH_MASK(mk, w2 + k), a3 = LOADBH_MASK(mk, w3 + k);
+        for (int m = 0; m < M; m++) {
+            __m512bh xv = LOADBH_MASK(mk, x + m * ldx + k);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, a0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, a1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, a2);
+            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, a3);
+        }
+    }
+    __m128 b = _mm_setzero_ps();
+    if (bias) b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(bias + n))), 16));
+    for (int m = 0; m < M; m++) {
+        __m128 s = _mm_add_ps(hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b);
+        __m128bh o = _mm_cvtneps_pbh(s);
+        _mm_storel_epi64((__m128i *)(y + m * ldy + n), (__m128i)o);
+    }
+}
+
+/* Output n for all M rows (the N % 4 tail). */
+static void block1(const uint16_t *x, long ldx, const uint16_t *w, long K, const uint16_t *bias,
+                   uint16_t *y, long ldy, long n, int M) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const uint16_t *w0 = w + n * K;
+    for (long k = 0; k < K; k += 32) {
+        __mmask32 mk = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh a0 = LOADBH_MASK(mk, w0 + k);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], LOADBH_MASK(mk, x + m * ldx + k), a0);
+    }
+    for (int m = 0; m < M; m++) {
+        float s = _mm512_reduce_add_ps(acc[m]) + (bias ? bf16_to_f32(bias[n]) : 0.0f);
+        y[m * ldy + n] = f32_to_bf16(s);
+    }
+}
+
+static void rows(const uint16_t *x, long ldx, const uint16_t *w, long K, const uint16_t *bias,
+                 uint16_t *y, long ldy, long n0, long n1, int M) {
+    long n = n0;
+    switch (M) {  /* a constant M per loop, so block4 unrolls it */
+    case 1: for (; n + 4 <= n1; n += 4) block4(x, ldx, w, K, bias, y, ldy, n, 1); break;
+    case 2: for (; n + 4 <= n1; n += 4) block4(x, ldx, w, K, bias, y, ldy, n, 2); break;
+    case 3: for (; n + 4 <= n1; n += 4) block4(x, ldx, w, K, bias, y, ldy, n, 3); break;
+    default: for (; n + 4 <= n1; n += 4) block4(x, ldx, w, K, bias, y, ldy, n, 4); break;
+    }
+    for (; n < n1; n++) block1(x, ldx, w, K, bias, y, ldy, n, M);
+}
+
+#else
+#define GEMV_IMPL 0
+
+/* Portable: widen to float and let the compiler vectorise the k loop. */
+static void rows(const uint16_t *x, long ldx, const uint16_t *w, long K, const uint16_t *bias,
+                 uint16_t *y, long ldy, long n0, long n1, int M) {
+    for (long n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * K;
+        float s[4] = {0, 0, 0, 0};
+        for (int m = 0; m < M; m++) {
+            const uint16_t *xr = x + m * ldx;
+            float acc = 0.0f;
+            for (long k = 0; k < K; k++) acc += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+            s[m] = acc;
+        }
+        float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+        for (int m = 0; m < M; m++) y[m * ldy + n] = f32_to_bf16(s[m] + b);
+    }
+}
+#endif
+
+/* Which implementation this build has: 1 AVX512_BF16, 0 portable C. */
+int gemv_bf16_impl(void) { return GEMV_IMPL; }
+
+/* x: M rows of K bf16, row stride ldx (elements); w: (N, K) contiguous; bias: N or NULL;
+ * y: (M, N) contiguous. Returns 0, or -1 for arguments it does not take. */
+int gemv_bf16(const void *x, long ldx, const void *w, const void *bias, void *y, int M, long N,
+              long K, int threads) {
+    if (M < 1 || M > 4 || N < 1 || K < 1 || ldx < K) return -1;
+    const uint16_t *xs = (const uint16_t *)x, *ws = (const uint16_t *)w, *bs = (const uint16_t *)bias;
+    uint16_t *ys = (uint16_t *)y;
+    long blocks = N / 4;
+    if (threads < 1) threads = 1;
+    if (blocks < 8 * threads) threads = 1;  /* too small to be worth a fork */
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            long n0 = 4 * (blocks * t / nt), n1 = t == nt - 1 ? N : 4 * (blocks * (t + 1) / nt);
+            rows(xs, ldx, ws, K, bs, ys, N, n0, n1, M);
+        }
+        return 0;
+    }
+#endif
+    rows(xs, ldx, ws, K, bs, ys, N, 0, N, M);
+    return 0;
+}
