@@ -23,7 +23,7 @@ import time
 from flowyard.core.metrics import summarize
 from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
-from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
+from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine, default_token_budget
 from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import PolicyOptions, build_policy
@@ -159,7 +159,7 @@ def main() -> None:
     print(f"profiled in {time.perf_counter() - t:.0f} s; engine overhead {prof['engine_overhead_s'] * 1e3:.2f} ms/step; fit error {', '.join(f'{k} {v:.0%}' for k, v in cost.fit_error.items())}")
     reqs = workload(args.requests, args.rate, args.max_input, args.max_output, args.seed)
 
-    opts = PolicyOptions(num_instances=args.instances, chunk_size=cfg.max_num_batched_tokens,
+    opts = PolicyOptions(num_instances=args.instances, chunk_size=cfg.max_num_batched_tokens or default_token_budget(),
                          max_num_seqs=cfg.max_num_seqs)
     link = Link(args.link_gbps * 1e9 / 8, 2e-3) if args.instances > 1 else _NoLink()
     sim = Simulator(reqs, build_policy(args.policy, opts), cost, Topology(1, link, link),

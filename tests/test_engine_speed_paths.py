@@ -263,3 +263,16 @@ def test_exact_bf16_small_batches_are_bitwise_each_sequence_alone(smol_bf16):
     for p, rows in zip(prompts, together):
         alone = _decode_logits(smol_bf16, [p], 20)[0]
         assert all(torch.equal(a, b) for a, b in zip(alone, rows))
+
+
+def test_token_budget_defaults_by_device_and_rejects_nonsense():
+    """A CPU step of 512 tokens prefills about as fast as a bigger one and ends sooner."""
+    from flowyard.engine.llm_engine import EngineConfig, LLMEngine, default_token_budget
+
+    assert default_token_budget("cpu") == 512 and default_token_budget("cuda") == 2048
+    e = LLMEngine.from_path(None, EngineConfig())
+    assert e.scheduler.config.max_num_batched_tokens == 512
+    e = LLMEngine.from_path(None, EngineConfig(max_num_batched_tokens=100))
+    assert e.scheduler.config.max_num_batched_tokens == 100
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1, got 0"):
+        EngineConfig(max_num_batched_tokens=0)

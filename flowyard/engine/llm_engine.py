@@ -50,7 +50,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # chunked-prefill token budget
+    max_num_batched_tokens: int | None = None  # chunked-prefill token budget (default_token_budget)
     max_waiting: int = 256  # bounded queue; past it the server answers 429
     threads: int | None = None
     # Quantised linears (quant.py): None, "int8" or "int4" (weight-only: few-row GEMMs read
@@ -72,9 +72,22 @@ class EngineConfig:
             raise ValueError("kv_cache_tokens must hold at least one block")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_mb < 1:
             raise ValueError("kv_cache_memory_mb must be positive")
         check_quantization(self.quantization)
+
+
+def default_token_budget(device: str = "cpu") -> int:
+    """The chunked-prefill token budget when none is given: vLLM's 2048 on a GPU, 512 on a CPU.
+
+    Why smaller on a CPU: its GEMMs are compute-bound from about 128 rows, so a bigger step
+    prefills hardly faster (8 x 256-token prompts on the 2-core VM: 919 tok/s at 256 tokens a
+    step, 949 at 2048 in bfloat16; w8a8 peaks at 512) but lasts longer: every prompt in it gets
+    its first token only at the step's end, and every running decode waits for it. Served
+    with vLLM's client at 4 req/s (w8a8), 512 gave median TPOT 98 ms against 344 at 2048."""
+    return 512 if device == "cpu" else 2048
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -151,7 +164,8 @@ class LLMEngine:
         if scheduler is not None:
             self.scheduler: LocalScheduler = scheduler(self.kv, self.max_model_len)
         else:
-            base = batch or BatchConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+            budget = config.max_num_batched_tokens or default_token_budget(self.model.embed.weight.device.type)
+            base = batch or BatchConfig(max_num_batched_tokens=budget,
                                         max_num_seqs=config.max_num_seqs)
             # One step at a time: a real executor never takes up a multi-step run promise.
             self.scheduler = BatchScheduler(instance, role, self.kv, dataclasses.replace(
