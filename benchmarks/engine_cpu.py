@@ -48,7 +48,8 @@ def best(fn, repeat: int) -> float:
 def ours(dtype: str, attention: str, repeat: int, quantization: str | None = None,
          kv_cache_dtype: str = "auto") -> dict[str, float]:
     engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, attention=attention, kv_cache_memory_mb=512,
-                                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype))
+                                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                                    max_num_batched_tokens=2048))  # 32 prompts: one step
     prompt = list(range(1000, 1030))
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0))  # warm up
 
@@ -84,7 +85,7 @@ def ours(dtype: str, attention: str, repeat: int, quantization: str | None = Non
     # A fresh engine without prefix caching, so every repeat really prefills.
     engine_nc = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
         dtype=dtype, attention=attention, enable_prefix_caching=False, kv_cache_memory_mb=64,
-        quantization=quantization, kv_cache_dtype=kv_cache_dtype))
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=2048))
 
     def prefill() -> float:
         long = [(i * 7) % 40000 + 100 for i in range(1000)]

@@ -104,3 +104,23 @@ def test_off_switch_and_missing_compiler(monkeypatch, tmp_path, caplog):
     assert "no C compiler" in caplog.text
     assert not GemvKernel().available()
 
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37), (33, 5), (31, 19)])
+def test_int8_weights_match_their_dequantised_product(k, n):
+    """gemv_w8 (--quantization int8/w8a8, 1-4 rows): (x @ q.T) * scale in float32, rounded once."""
+    from flowyard.engine.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(k + 3 * n)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    q, scale, _ = quantize_int8(w)
+    assert scale.dtype == torch.bfloat16
+    for m in range(1, 5):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = gemv_bf16.int8(x, q, scale)
+        ref = (x.float() @ q.float().t()) * scale.float()
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        tol = ref.abs() * 2.0 ** -7 + (x.float().abs() @ q.float().abs().t()) * scale.float() * 2.0 ** -20
+        assert bool(((y.float() - ref).abs() <= tol).all())
+    xs = torch.randn(2, 2 * k, generator=g).bfloat16()[:, :k]  # rows not contiguous: copied
+    assert torch.equal(gemv_bf16.int8(xs, q, scale), gemv_bf16.int8(xs.contiguous(), q, scale))

@@ -39,6 +39,7 @@ class GemvKernel:
 
     def __init__(self) -> None:
         self._fn = None
+        self._w8 = None
         self._tried = False
         self.impl = -1  # 1: AVX512_BF16, 0: portable C, -1: not loaded
 
@@ -52,9 +53,12 @@ class GemvKernel:
                     p, i, l_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
                     fn.argtypes = [p, l_, p, p, p, i, l_, l_, i]
                     fn.restype = i
+                    w8 = lib.gemv_w8
+                    w8.argtypes = [p, l_, p, p, p, p, i, l_, l_, p, i]
+                    w8.restype = i
                     lib.gemv_bf16_impl.restype = i
                     self.impl = lib.gemv_bf16_impl()
-                    self._fn = fn
+                    self._fn, self._w8 = fn, w8
         return self._fn is not None
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -90,6 +94,22 @@ class GemvKernel:
         if fn(x.data_ptr(), ldx, weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
               m, n, k, torch.get_num_threads()):
             raise ValueError(f"gemv_bf16 rejected x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        return y
+
+    def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """y = (x @ q.T) * scale for 1..MAX_ROWS bfloat16 rows, q (N, K) int8 contiguous,
+        scale (N,) bfloat16: `--quantization int8/w8a8`'s few-row path, one pass over the int8
+        codes (half bfloat16's bytes). Callers check `available()` and the dtypes."""
+        if not self.available():
+            raise RuntimeError("the gemv_bf16 kernel is not available")
+        x = x.contiguous()
+        m, k = x.shape
+        n = q.shape[0]
+        xf = torch.empty(m * k, dtype=torch.float32)  # x widened once (per call: engines may share us)
+        y = torch.empty((m, n), dtype=_BF16)
+        if self._w8(x.data_ptr(), k, q.data_ptr(), scale.data_ptr(), None, y.data_ptr(), m, n, k,
+                    xf.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"gemv_w8 rejected x {tuple(x.shape)}, weight {tuple(q.shape)}")
         return y
 
 

@@ -7,6 +7,8 @@
  * 4 * M accumulators), 32 bf16 pairs per vdpbf16ps; the sixteen lanes of the four rows'
  * accumulators are reduced together (hsum4) and four outputs stored at a time. Other CPUs get
  * a plain C loop the compiler vectorises. N is split across OpenMP threads in static chunks.
+ * gemv_w8 is the same for int8 weights with a scale per output row (--quantization int8/w8a8):
+ * half the bytes of bfloat16, widened to float32 in registers, so still one pass over W.
  * See flowyard/engine/gemv_kernel.py for why and for measurements.
  */
 #include <stdint.h>
@@ -125,6 +127,61 @@ static void rows(const uint16_t *x, long ldx, const uint16_t *w, long K, const u
     for (; n < n1; n++) block1(x, ldx, w, K, bias, y, ldy, n, M);
 }
 
+/* int8 weights (per-output-row scale): widen 16 codes to float32 and FMA with x, widened once
+ * per call into xf (M rows of K floats). Four weight rows in flight, as block4. */
+static inline __attribute__((always_inline)) void block4_w8(
+    const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias, uint16_t *y,
+    long ldy, long n, const int M) {
+    __m512 acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
+    const int8_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    const long pf = PF_BLOCKS * 4 * K;
+    for (long k = 0; k < K; k += 16) {
+        __mmask16 mk = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        if ((k & 63) == 0) {
+            _mm_prefetch((const char *)(w0 + pf + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w1 + pf + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w2 + pf + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w3 + pf + k), _MM_HINT_T1);
+        }
+        __m512 a0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, w0 + k)));
+        __m512 a1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, w1 + k)));
+        __m512 a2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, w2 + k)));
+        __m512 a3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, w3 + k)));
+        for (int m = 0; m < M; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, xf + m * K + k);
+            acc[m][0] = _mm512_fmadd_ps(xv, a0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(xv, a1, acc[m][1]);
+            acc[m][2] = _mm512_fmadd_ps(xv, a2, acc[m][2]);
+            acc[m][3] = _mm512_fmadd_ps(xv, a3, acc[m][3]);
+        }
+    }
+    __m128 sc = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(scale + n))), 16));
+    __m128 b = _mm_setzero_ps();
+    if (bias) b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(bias + n))), 16));
+    for (int m = 0; m < M; m++) {
+        __m128 s = _mm_fmadd_ps(hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), sc, b);
+        __m128bh o = _mm_cvtneps_pbh(s);
+        _mm_storel_epi64((__m128i *)(y + m * ldy + n), (__m128i)o);
+    }
+}
+
+static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n, int M);
+
+static void rows_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n0, long n1, int M) {
+    long n = n0;
+    switch (M) {
+    case 1: for (; n + 4 <= n1; n += 4) block4_w8(xf, K, w, scale, bias, y, ldy, n, 1); break;
+    case 2: for (; n + 4 <= n1; n += 4) block4_w8(xf, K, w, scale, bias, y, ldy, n, 2); break;
+    case 3: for (; n + 4 <= n1; n += 4) block4_w8(xf, K, w, scale, bias, y, ldy, n, 3); break;
+    default: for (; n + 4 <= n1; n += 4) block4_w8(xf, K, w, scale, bias, y, ldy, n, 4); break;
+    }
+    for (; n < n1; n++) tail_w8(xf, K, w, scale, bias, y, ldy, n, M);
+}
+
 #else
 #define GEMV_IMPL 0
 
@@ -145,6 +202,28 @@ static void rows(const uint16_t *x, long ldx, const uint16_t *w, long K, const u
     }
 }
 #endif
+
+#if !GEMV_IMPL
+static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n, int M);
+
+static void rows_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n0, long n1, int M) {
+    for (long n = n0; n < n1; n++) tail_w8(xf, K, w, scale, bias, y, ldy, n, M);
+}
+#endif
+
+/* One output of the int8 kernel for all M rows: the portable path and the N % 4 tail. */
+static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n, int M) {
+    const int8_t *wr = w + n * K;
+    for (int m = 0; m < M; m++) {
+        const float *xr = xf + m * K;
+        float acc = 0.0f;
+        for (long k = 0; k < K; k++) acc += xr[k] * (float)wr[k];
+        y[m * ldy + n] = f32_to_bf16(acc * bf16_to_f32(scale[n]) + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+    }
+}
 
 /* Which implementation this build has: 1 AVX512_BF16, 0 portable C. */
 int gemv_bf16_impl(void) { return GEMV_IMPL; }
@@ -171,5 +250,34 @@ int gemv_bf16(const void *x, long ldx, const void *w, const void *bias, void *y,
     }
 #endif
     rows(xs, ldx, ws, K, bs, ys, N, 0, N, M);
+    return 0;
+}
+
+/* As gemv_bf16 with int8 weights w (N, K) times a bfloat16 scale per output row: y = (x @ w^T)
+ * * scale (+ bias). xf: a caller-owned buffer of at least M * K floats for x widened once. */
+int gemv_w8(const void *x, long ldx, const void *w, const void *scale, const void *bias, void *y, int M,
+            long N, long K, float *xf, int threads) {
+    if (M < 1 || M > 4 || N < 1 || K < 1 || ldx < K || !scale || !xf) return -1;
+    const uint16_t *xs = (const uint16_t *)x;
+    for (int m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(xs[m * ldx + k]);
+    const int8_t *ws = (const int8_t *)w;
+    const uint16_t *ss = (const uint16_t *)scale, *bs = (const uint16_t *)bias;
+    uint16_t *ys = (uint16_t *)y;
+    long blocks = N / 4;
+    if (threads < 1) threads = 1;
+    if (blocks < 8 * threads) threads = 1;
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            long n0 = 4 * (blocks * t / nt), n1 = t == nt - 1 ? N : 4 * (blocks * (t + 1) / nt);
+            rows_w8(xf, K, ws, ss, bs, ys, N, n0, n1, M);
+        }
+        return 0;
+    }
+#endif
+    rows_w8(xf, K, ws, ss, bs, ys, N, 0, N, M);
     return 0;
 }
