@@ -228,28 +228,37 @@ static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *sc
 /* Which implementation this build has: 1 AVX512_BF16, 0 portable C. */
 int gemv_bf16_impl(void) { return GEMV_IMPL; }
 
+/* Threads worth forking for N outputs (a small N is not worth a fork). */
+static int team(long N, int threads) {
+    if (threads < 1) threads = 1;
+    return N / 4 < 8L * threads ? 1 : threads;
+}
+
+/* Thread t of nt's share [n0, n1) of the N outputs, in whole blocks of four. */
+static void share(long N, int t, int nt, long *n0, long *n1) {
+    long blocks = N / 4;
+    *n0 = 4 * (blocks * t / nt);
+    *n1 = t == nt - 1 ? N : 4 * (blocks * (t + 1) / nt);
+}
+
+#ifndef _OPENMP
+static int omp_get_thread_num(void) { return 0; }
+static int omp_get_num_threads(void) { return 1; }
+#endif
+
 /* x: M rows of K bf16, row stride ldx (elements); w: (N, K) contiguous; bias: N or NULL;
  * y: (M, N) contiguous. Returns 0, or -1 for arguments it does not take. */
 int gemv_bf16(const void *x, long ldx, const void *w, const void *bias, void *y, int M, long N,
               long K, int threads) {
     if (M < 1 || M > 4 || N < 1 || K < 1 || ldx < K) return -1;
-    const uint16_t *xs = (const uint16_t *)x, *ws = (const uint16_t *)w, *bs = (const uint16_t *)bias;
-    uint16_t *ys = (uint16_t *)y;
-    long blocks = N / 4;
-    if (threads < 1) threads = 1;
-    if (blocks < 8 * threads) threads = 1;  /* too small to be worth a fork */
-#ifdef _OPENMP
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            long n0 = 4 * (blocks * t / nt), n1 = t == nt - 1 ? N : 4 * (blocks * (t + 1) / nt);
-            rows(xs, ldx, ws, K, bs, ys, N, n0, n1, M);
-        }
-        return 0;
+    const int nt = team(N, threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        long n0, n1;
+        share(N, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        rows((const uint16_t *)x, ldx, (const uint16_t *)w, K, (const uint16_t *)bias, (uint16_t *)y, N, n0,
+             n1, M);
     }
-#endif
-    rows(xs, ldx, ws, K, bs, ys, N, 0, N, M);
     return 0;
 }
 
@@ -261,23 +270,13 @@ int gemv_w8(const void *x, long ldx, const void *w, const void *scale, const voi
     const uint16_t *xs = (const uint16_t *)x;
     for (int m = 0; m < M; m++)
         for (long k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(xs[m * ldx + k]);
-    const int8_t *ws = (const int8_t *)w;
-    const uint16_t *ss = (const uint16_t *)scale, *bs = (const uint16_t *)bias;
-    uint16_t *ys = (uint16_t *)y;
-    long blocks = N / 4;
-    if (threads < 1) threads = 1;
-    if (blocks < 8 * threads) threads = 1;
-#ifdef _OPENMP
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            long n0 = 4 * (blocks * t / nt), n1 = t == nt - 1 ? N : 4 * (blocks * (t + 1) / nt);
-            rows_w8(xf, K, ws, ss, bs, ys, N, n0, n1, M);
-        }
-        return 0;
+    const int nt = team(N, threads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        long n0, n1;
+        share(N, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+        rows_w8(xf, K, (const int8_t *)w, (const uint16_t *)scale, (const uint16_t *)bias, (uint16_t *)y, N,
+                n0, n1, M);
     }
-#endif
-    rows_w8(xf, K, ws, ss, bs, ys, N, 0, N, M);
     return 0;
 }
