@@ -62,7 +62,7 @@ class GemvKernel:
         return self._fn is not None
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-        return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+        return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and not x.requires_grad
                 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
                 and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] == weight.shape[1]
                 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()

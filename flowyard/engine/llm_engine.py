@@ -144,14 +144,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.dtype = DTYPES[resolve_dtype(config.dtype)]
         self.model = quantize_model(model.to(self.dtype).eval(), config.quantization)
-        # Large bfloat16 GEMMs in float32 where that is faster; never in `exact` mode, whose
-        # point is transformers' own bfloat16 kernels.
-        self.model.linear.large_f32 = (config.attention != "exact" and self.dtype == torch.bfloat16
-                                       and self.model.embed.weight.device.type == "cpu" and large_gemm_f32())
-        # Decode linears of 1 to 4 bfloat16 rows through the gemv_bf16 C kernel where it compiled;
-        # not in `exact` mode either (it rounds once from float32, unlike oneDNN's kernel).
-        self.model.linear.small_gemv = (config.attention != "exact" and self.dtype == torch.bfloat16
-                                        and self.model.embed.weight.device.type == "cpu" and gemv_bf16.available())
+        # CPU bfloat16 outside `exact` mode (whose point is transformers' own oneDNN kernels):
+        # large GEMMs in float32 where that is faster, and decode linears of 1 to 4 rows
+        # through the gemv_bf16 C kernel where it compiled (it rounds once from float32).
+        fast_bf16 = (config.attention != "exact" and self.dtype == torch.bfloat16
+                     and self.model.embed.weight.device.type == "cpu")
+        self.model.linear.large_f32 = fast_bf16 and large_gemm_f32()
+        self.model.linear.small_gemv = fast_bf16 and gemv_bf16.available()
         cfg = model.cfg
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize

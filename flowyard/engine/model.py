@@ -21,7 +21,6 @@ from torch import nn
 
 from flowyard.engine.attention import AttentionBatch, paged_attention, write_kv
 from flowyard.engine.config import ModelConfig
-from flowyard.engine.gemv_kernel import MAX_ROWS as GEMV_MAX_ROWS
 from flowyard.engine.gemv_kernel import gemv_bf16
 
 LAYER_OPS = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
@@ -84,7 +83,7 @@ class PackedLinear:
     With `large_f32` (the engine sets it where `large_gemm_f32()` measured it faster),
     calls of F32_MIN_ROWS rows or more widen input and weight to float32 instead.
     With `small_gemv` (the engine sets it where the kernel compiled, except in `exact` mode),
-    bfloat16 calls of 1 to GEMV_MAX_ROWS rows go to the gemv_bf16 C kernel
+    bfloat16 calls the gemv_bf16 C kernel supports (1 to 4 rows) go to it
     (flowyard/engine/gemv_kernel.py), which streams the weight at close to memory bandwidth
     where oneDNN reaches about half of it; it rounds once from float32, not bit-equal to oneDNN.
     """
@@ -95,16 +94,14 @@ class PackedLinear:
         self._cache: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, packed)
         # Set by the engine (not in `exact` mode): GEMMs of F32_MIN_ROWS+ rows run in float32.
         self.large_f32 = False
-        # Set by the engine (not in `exact` mode): bf16 calls of 1..GEMV_MAX_ROWS rows use gemv_bf16.
+        # Set by the engine (not in `exact` mode): bf16 calls of 1..4 rows use gemv_bf16.
         self.small_gemv = False
 
     def clear(self) -> None:
         self._cache.clear()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (self.small_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
-                and weight.dtype == torch.bfloat16 and weight.is_contiguous() and not x.requires_grad
-                and (bias is None or bias.dtype == torch.bfloat16)):
+        if self.small_gemv and gemv_bf16.supports(x, weight, bias):
             return gemv_bf16(x, weight, bias)
         if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
             return F.linear(x, weight, bias)
