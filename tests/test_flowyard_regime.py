@@ -97,10 +97,11 @@ def test_slack_budget_spends_banked_tpot_time_only(cost):
     assert FlowyardSelector(cost, slack=False)._limit([banked], 0.025, 11.0) == 0.025
 
 
-def _snap(queue=(), decoding=0, tokens=0):
+def _snap(queue=(), decoding=0, tokens=0, deadlines=None):
     return SimpleNamespace(prefill_queue=queue, num_decoding=decoding, num_running=decoding, num_waiting=len(queue),
                            num_migrating_in=0, running_tokens=tokens, waiting_tokens=sum(n for _, n in queue),
-                           incoming_tokens=0)
+                           incoming_tokens=0,
+                           prefill_deadlines=tuple(deadlines) if deadlines is not None else (float("inf"),) * len(queue))
 
 
 def test_colocated_dispatch_prefers_light_decode_among_equally_prompt_instances(cost):
@@ -109,7 +110,27 @@ def test_colocated_dispatch_prefers_light_decode_among_equally_prompt_instances(
     # equal (empty) prefill queues: the instance with fewer decodes wins
     snaps = {0: _snap(decoding=40, tokens=40_000), 1: _snap(decoding=4, tokens=4_000)}
     view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
-    assert r._colocated_pick(req, view, [0, 1]) == 1
+    assert r._colocated_pick(req, view, [0, 1], 0.0) == 1
     # a prefill queue worth more than the tolerance outweighs a lighter decode batch
-    snaps[1] = _snap(queue=((0, 4096),), decoding=4, tokens=4_000)
-    assert r._colocated_pick(req, view, [0, 1]) == 0
+    snaps[1] = _snap(queue=((0, 4096),), decoding=4, tokens=4_000, deadlines=[0.4])
+    assert r._colocated_pick(req, view, [0, 1], 0.0) == 0
+
+
+def test_colocated_dispatch_ignores_work_that_s_edf_puts_behind_the_prompt(cost):
+    """Under S-EDF a queued prompt that can no longer make its deadline, or is due later, runs
+    after a new feasible one: it must not make its instance look busy (the dispatcher would
+    leave that instance to the hopeless prompt and crowd the others)."""
+    r = FlowyardRouter(cost)
+    req = Request(id=1, arrival=10.0, prompt_len=200, output_len=10, slo=SLO(ttft=0.5, tpot=0.025))
+    hopeless = _snap(queue=((0, 60_000),), deadlines=[10.2])  # 60k tokens due in 0.2 s
+    later = _snap(queue=((0, 8_000),), deadlines=[15.0])  # due after the new prompt
+    due_first = _snap(queue=((0, 2_000),), deadlines=[10.45])  # feasible and due first: ahead
+    for busy in (hopeless, later):
+        snaps = {0: due_first, 1: busy}
+        view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+        assert r._colocated_pick(req, view, [0, 1], 10.0) == 1
+    # FCFS ranks by arrival: all queued work is ahead, so the shorter queue wins
+    fcfs = FlowyardRouter(cost, FlowyardConfig(order="fcfs"))
+    snaps = {0: due_first, 1: hopeless}
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    assert fcfs._colocated_pick(req, view, [0, 1], 10.0) == 0

@@ -117,6 +117,24 @@ class QuadraticTTFT:
             delay *= chunk / max(1, chunk - s.num_decoding)
         return delay
 
+    def delay_ahead(self, s: InstanceSnapshot, chunk: int, due: float, now: float) -> float:
+        """`queue_delay` under a slack-aware order (S-EDF, re-ranked every step): a prompt due at
+        `due` waits only for the queued work due no later that can still make its own deadline;
+        hopeless prompts and later deadlines go behind it. An instance holding a hopeless long
+        prompt is not busy for new arrivals (plain `queue_delay` would steer them away and leave
+        it idle but for the prompt S-EDF has given up on). Without deadlines: `queue_delay`."""
+        if len(s.prefill_deadlines) != len(s.prefill_queue):
+            return self.queue_delay(s, chunk)
+        delay = 0.0
+        for (h, n), d in zip(s.prefill_queue, s.prefill_deadlines):
+            if d <= due:
+                t = self.remaining(h, n)
+                if d - now >= t:
+                    delay += t
+        if s.num_decoding:
+            delay *= chunk / max(1, chunk - s.num_decoding)
+        return delay
+
 
 def max_running_tokens(cost: CostModel, tpot: float, kv_tokens: int, max_num_seqs: int,
                        mean_context: int, kv_headroom: float) -> int:

@@ -53,6 +53,9 @@ class InstanceSnapshot:
     # (tokens computed, tokens still to compute) of each queued or partially prefilled request,
     # in no particular order: prefill time is quadratic in length, so a token total is not enough
     prefill_queue: tuple[tuple[int, int], ...] = ()
+    # the TTFT deadline (arrival + TTFT SLO; inf without one) of each prefill_queue entry, in the
+    # same order: under a slack-aware order only the feasible work due earlier is ahead of a prompt
+    prefill_deadlines: tuple[float, ...] = ()
     incoming_tokens: int = 0  # sequence tokens of requests queued or in flight to migrate here
     num_decoding: int = 0  # running requests past their prefill
     token_interval: float = 0.0  # recent seconds between steps that decode (a TPOT proxy)

@@ -129,7 +129,7 @@ class FlowyardRouter:
             cands = self.arrow.pools.members(*PREFILL_SIDE) if self.arrow.pools is not None else []
         else:
             cands = list(view.instances())
-            pick = self._colocated_pick(req, view, cands)
+            pick = self._colocated_pick(req, view, cands, now)
         pick = self._affine(req, view, pick, cands)
         if req.session is not None and pick is not None:
             self.homes[req.session] = pick
@@ -138,14 +138,18 @@ class FlowyardRouter:
                 self.homes.popitem(last=False)
         return pick
 
-    def _colocated_pick(self, req: Request, view: ClusterView, cands: list[int]) -> int:
+    def _colocated_pick(self, req: Request, view: ClusterView, cands: list[int], now: float) -> int:
         """Among the instances where the prompt's predicted TTFT (queue delay plus its own
         prefill) stays within `ttft_share` x 2 of its SLO, the one whose decode step would be
         shortest with it added (TPOT is decided by decode steps once prompts are served in
         time); if none, the least predicted delay."""
         snaps = {i: view.snapshot(i) for i in cands}
-        delay = {i: self.arrow.delay(s) for i, s in snaps.items()}
         ttft = req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo
+        if self.cfg.order == "s-edf":
+            due = req.arrival + ttft
+            delay = {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
+        else:
+            delay = {i: self.arrow.delay(s) for i, s in snaps.items()}
         own = self.arrow.ttft(max(1, req.prompt_len - req.history_len))
         best = min(delay.values())
         ok = [i for i in cands if delay[i] + own <= 2 * self.cfg.ttft_share * ttft

@@ -25,6 +25,7 @@ from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.policies.base import InstanceSnapshot
 from flowyard.policies.order import QueueOrder
+from flowyard.policies.slack import deadline
 
 if TYPE_CHECKING:
     from flowyard.policies.core import LocalCore
@@ -253,7 +254,9 @@ class ChunkedSelector(PrefillSelector):
 
     # -- views -------------------------------------------------------------------------------
     def fill(self, snap: InstanceSnapshot) -> None:
-        partial = [(r.num_computed, r.uncomputed) for r in self.core.running if r.in_prefill]
+        started = [r for r in self.core.running if r.in_prefill]
         snap.num_waiting = len(self._waiting)
-        snap.waiting_tokens = self._waiting_tokens + sum(n for _, n in partial)
-        snap.prefill_queue = tuple(partial) + tuple((w[2].num_computed, w[3]) for w in self._waiting)
+        snap.waiting_tokens = self._waiting_tokens + sum(r.uncomputed for r in started)
+        snap.prefill_queue = tuple((r.num_computed, r.uncomputed) for r in started) \
+            + tuple((w[2].num_computed, w[3]) for w in self._waiting)
+        snap.prefill_deadlines = tuple(deadline(r.req) for r in started) + tuple(deadline(w[2].req) for w in self._waiting)
