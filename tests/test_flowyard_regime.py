@@ -52,6 +52,18 @@ def test_short_prompts_long_outputs_stay_colocated(pricer):
     assert c.regime == "colocated" and c.scores[0] >= max(v for k, v in c.scores.items() if k)
 
 
+def test_long_prompts_at_a_tpot_near_the_decode_floor_are_not_priced_colocated(pricer, cost):
+    """Mooncake-like prompts (14k tokens) at 25 ms TPOT, where a 32B decode step alone takes
+    ~21 ms: a fresh decode beside a prompt's floor chunk misses its SLO, so colocation scores
+    0 and a split wins (the sim: 0 goodput colocated, 1.0 req/s split). Short prompts with
+    the same decodes keep the colocated price: their prefill passes in a step or two."""
+    long = load(1.6, 14_000, 10, 14_000, 0.025, ttft=30.0)
+    assert pricer.colocated_scale(long) == 0.0
+    assert pricer.choose(long).regime == "disaggregated"
+    short = load(1.6, 220, 10, 1_000, 0.025)
+    assert pricer.colocated_scale(short) > 0.0
+
+
 def test_hysteresis_keeps_the_current_option_unless_another_is_clearly_better(pricer):
     c = pricer.choose(load(5.0, 2500, 30, 2700, 0.025))
     for k, v in c.scores.items():

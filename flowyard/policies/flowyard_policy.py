@@ -145,11 +145,7 @@ class FlowyardRouter:
         time); if none, the least predicted delay."""
         snaps = {i: view.snapshot(i) for i in cands}
         ttft = req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo
-        if self.cfg.order == "s-edf":
-            due = req.arrival + ttft
-            delay = {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
-        else:
-            delay = {i: self.arrow.delay(s) for i, s in snaps.items()}
+        delay = self._delays(req, snaps, now)
         own = self.arrow.ttft(max(1, req.prompt_len - req.history_len))
         best = min(delay.values())
         ok = [i for i in cands if delay[i] + own <= 2 * self.cfg.ttft_share * ttft
@@ -157,6 +153,14 @@ class FlowyardRouter:
         if not ok or self.cfg.dispatch == "delay":
             return min(cands, key=lambda i: (delay[i], snaps[i].running_tokens + snaps[i].incoming_tokens, i))
         return min(ok, key=lambda i: (self._decode_step(snaps[i], req.prompt_len), delay[i], i))
+
+    def _delays(self, req: Request, snaps: dict, now: float) -> dict[int, float]:
+        """Predicted wait of req's prefill on each instance: the work its queue order puts
+        ahead of it (S-EDF: only feasible work due no later, `QuadraticTTFT.delay_ahead`)."""
+        if self.cfg.order != "s-edf":
+            return {i: self.arrow.delay(s) for i, s in snaps.items()}
+        due = req.arrival + (req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo)
+        return {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
 
     def _decode_step(self, s, prompt: int) -> float:
         """Predicted decode step of an instance once everything on it (and this prompt) decodes."""

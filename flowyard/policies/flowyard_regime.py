@@ -160,12 +160,19 @@ class RegimePricer:
         c_p = load.length / max(1e-9, self.ttft_hat(load.length))  # prompt tokens/s of one instance
         per = load.decodes / n
 
-        def t_d(x: float) -> float:
-            return self._time(0, 0, max(1, -(-int(x * per) // 1)), load.ctx)
+        def t_d(x: float, prefill: int = 0) -> float:
+            return self._time(prefill, 0, max(1, -(-int(x * per) // 1)), load.ctx)
+
+        # Prompts longer than a chunk keep some prefill in flight on a busy instance nearly all
+        # the time, so a decode that has banked no slack yet sees run after run of steps with
+        # at least the local scheduler's floor of prefill tokens: those must fit the SLO too.
+        # (Short prompts pass in a step or two; banked slack then covers them.)
+        floor = self.min_prefill if load.length > self.chunk else 0
 
         def fits(x: float) -> bool:
             f = x * load.rate * load.length / (n * c_p)
-            return f < 1 and t_d(x) <= (1 - f) * limit and x * per <= self._kv_seqs(load.ctx)
+            return (f < 1 and t_d(x) <= (1 - f) * limit and x * per <= self._kv_seqs(load.ctx)
+                    and (not floor or t_d(x, floor) <= load.tpot * self.headroom))
 
         scale = _largest(fits, load.rate * load.length + load.decodes)
         # prefill speed left beside the decodes: their spare time, or the local scheduler's
