@@ -63,6 +63,7 @@ class WorkloadSpec:
     grid: tuple[float, ...]  # request rates (req/s) the search starts from
     why: str = ""
     prefix_caching: bool = False
+    max_n: int | None = None  # requests a run may hold, instead of the settings' max_n (synthetic workloads)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {w.key: w for w in (
@@ -75,7 +76,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.key: w for w in (
                  "time), prefix caching on", prefix_caching=True),
     WorkloadSpec("arxiv", "arXiv", 3.0, (4, 16), "arXiv summarisation lengths, Poisson arrivals (long prompts)"),
     WorkloadSpec("reasoning", "Reasoning (long output)", 3.0, (4, 16),
-                 "DynaServe's Mini Reasoning shape (P219/D1467, gamma), Poisson arrivals"),
+                 "DynaServe's Mini Reasoning shape (P219/D1467, gamma), Poisson arrivals; up to 4,000 requests a run "
+                 "(700, the trace rows' cap, fit in the cluster's 1,024 sequence slots at any rate)", max_n=4000),
     WorkloadSpec("hybrid", "Hybrid code+conv+Mooncake", 3.0, (1, 4),
                  "a uniform mix of Azure Code, Azure Conv and Mooncake conv lengths, Poisson arrivals"),
 )}
@@ -221,7 +223,8 @@ class Row_:
         """Requests in a run at `rate`: rate x duration, clamped, so an overloaded run is long
         enough for its queues to show (a short burst is absorbed by 8 instances)."""
         s = self.settings
-        return int(min(s.max_n, len(self.w.requests), max(s.min_n, round(rate * s.duration))))
+        cap = self.spec.max_n if self.spec.max_n is not None and not s.quick else s.max_n
+        return int(min(cap, len(self.w.requests), max(s.min_n, round(rate * s.duration))))
 
     def window(self, rate: float) -> Workload:
         n = self.n_of(rate)
@@ -258,7 +261,7 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     res = Results(s, seed, [])
     for wk in s.workloads:
         spec = WORKLOADS[wk]
-        base = base_workload(wk, s.max_n, seed)
+        base = base_workload(wk, spec.max_n if spec.max_n is not None and not s.quick else s.max_n, seed)
         for sk in s.slos:
             slo = SLO_SETTINGS[sk]
             w = with_setting(base, spec, slo)

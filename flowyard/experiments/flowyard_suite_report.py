@@ -160,7 +160,8 @@ def _setup(res: Results, rep: Report) -> None:
     rep.add("## Setup",
             f"{INSTANCES} instances of {MODEL} at TP{TP} on {INSTANCES * TP} simulated {HARDWARE.upper()} GPUs; PD "
             f"policies split {INSTANCES // 2}P{INSTANCES - INSTANCES // 2}D. A run at rate r replays the first "
-            f"clamp(r × {s.duration:g} s, {s.min_n}, {s.max_n}) requests of the workload with timestamps scaled "
+            f"clamp(r × {s.duration:g} s, {s.min_n}, {s.max_n}) requests of the workload (a higher cap where its row "
+            f"below says so) with timestamps scaled "
             f"to mean rate r (Arrow's method). The goodput search evaluates the grid, then bisects the first "
             f"crossing of {TARGET:.0%} to within {s.tol:.0%} (x2 / x0.5 up to {s.extend} times beyond the grid).")
     rep.table(["workload", "TTFT SLO (tight / loose rows)", "what"],
