@@ -64,6 +64,16 @@ def test_long_prompts_at_a_tpot_near_the_decode_floor_are_not_priced_colocated(p
     assert pricer.colocated_scale(short) > 0.0
 
 
+def test_colocated_price_falls_smoothly_as_decodes_fill_the_steps(pricer):
+    """Reasoning shape at TTFT 0.5 s / TPOT 100 ms, ~1,000 decodes over 4 instances: the
+    prefill speed left beside them shrinks as the load grows. Colocation's score must shrink
+    with it, not drop to 0 at the current load (which flipped the controller to a 1P3D split
+    that lost 5 % goodput)."""
+    scores = [pricer.colocated_scale(load(r, 233, 44 * r, 534, 0.1, ttft=0.5)) for r in (16.0, 19.6, 22.0)]
+    assert scores[0] > scores[1] > scores[2] > 0.5
+    assert pricer.choose(load(19.6, 233, 863, 534, 0.1, ttft=0.5)).regime == "colocated"
+
+
 def test_hysteresis_keeps_the_current_option_unless_another_is_clearly_better(pricer):
     c = pricer.choose(load(5.0, 2500, 30, 2700, 0.025))
     for k, v in c.scores.items():

@@ -172,15 +172,18 @@ class RegimePricer:
         def fits(x: float) -> bool:
             f = x * load.rate * load.length / (n * c_p)
             return (f < 1 and t_d(x) <= (1 - f) * limit and x * per <= self._kv_seqs(load.ctx)
-                    and (not floor or t_d(x, floor) <= load.tpot * self.headroom))
+                    and (not floor or t_d(x, floor) <= load.tpot * self.headroom) and prompt_in_time(x))
 
-        scale = _largest(fits, load.rate * load.length + load.decodes)
-        # prefill speed left beside the decodes: their spare time, or the local scheduler's
-        # floor of `min_prefill` tokens a step when they leave none (decode-bound)
-        speed = max(c_p * (1 - t_d(min(1.0, scale)) / limit), self.min_prefill / limit)
-        if load.urgency > self.ttft_share * speed:
-            return 0.0  # too slow for the mean prompt's TTFT SLO
-        return scale
+        def prompt_in_time(x: float) -> bool:
+            """The prefill speed left beside x times the decodes (their spare time, or the
+            local scheduler's floor of `min_prefill` tokens a step when they leave none) takes
+            at most `ttft_share` of the mean prompt's TTFT SLO. A condition on the scale, not a
+            veto at the current load: near saturation it lowers colocation's score smoothly
+            instead of dropping it to 0 the moment the decodes fill the steps."""
+            speed = max(c_p * (1 - t_d(x) / limit), self.min_prefill / limit)
+            return load.urgency <= self.ttft_share * speed
+
+        return _largest(fits, load.rate * load.length + load.decodes)
 
     def split_scale(self, load: Load, n_prefill: int) -> float:
         demand = load.rate * load.length
