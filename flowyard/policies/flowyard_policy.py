@@ -19,9 +19,11 @@ while the cluster runs. The parts:
   per-request SLO-aware flips and monitor (`pools="slo"`) are off by default (they fight the
   priced split); `elastic=False` pins the split at half and half (ablation).
 - **Colocated regime: SLO-aware least decode load.** Among the instances where the prompt's
-  predicted TTFT (Arrow's quadratic predictor over the prefill queue, plus its own prefill)
-  stays well within its SLO, the one whose decode step would be shortest with it added; if
-  none, the least predicted delay.
+  predicted TTFT (Arrow's quadratic predictor over the prefill work S-EDF ranks ahead of it,
+  plus its own prefill) stays well within its SLO, the one whose decode step would be shortest
+  with it added; if none, the least predicted delay. Work S-EDF puts behind the prompt (due
+  later, or hopeless) does not count: an instance holding a long prompt that can no longer
+  make its deadline is free for new ones (`delay_ahead`).
 - **Session affinity (PLA-Serve §3.3).** In both regimes a session's later turn goes back to
   the instance that holds its history (its KV is cached there) unless that instance's predicted
   delay plus the cached fill is worse than the best alternative plus the full fill by more than
@@ -61,6 +63,7 @@ class FlowyardConfig:
     slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
     delay_tolerance: float = 0.02  # ... whose delay is within this share of the TTFT SLO of the least
     dispatch: str = "decode"  # colocated: least decode step among TTFT-safe instances; "delay": least delay
+    delay_ahead: bool = True  # dispatch counts only the queued work S-EDF ranks ahead of the prompt
     affinity: float | None = 0.05  # session affinity tolerance (s); None: off
     chunk: int = 2048  # most prefill tokens in one step
     period: float = 0.5  # controller period (s)
@@ -157,7 +160,7 @@ class FlowyardRouter:
     def _delays(self, req: Request, snaps: dict, now: float) -> dict[int, float]:
         """Predicted wait of req's prefill on each instance: the work its queue order puts
         ahead of it (S-EDF: only feasible work due no later, `QuadraticTTFT.delay_ahead`)."""
-        if self.cfg.order != "s-edf":
+        if self.cfg.order != "s-edf" or not self.cfg.delay_ahead:
             return {i: self.arrow.delay(s) for i, s in snaps.items()}
         due = req.arrival + (req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo)
         return {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
