@@ -156,3 +156,26 @@ def test_colocated_dispatch_ignores_work_that_s_edf_puts_behind_the_prompt(cost)
     snaps = {0: due_first, 1: hopeless}
     view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
     assert fcfs._colocated_pick(req, view, [0, 1], 10.0) == 0
+
+
+def test_a_request_counted_into_a_stale_snapshot_delays_the_next_dispatch(cost):
+    """Ray's snapshots are a step old: arrivals sent during the step are counted in
+    (`InstanceSnapshot.count_in`), so the delay-based dispatcher spreads a burst instead of
+    sending all of it to the instance that looked idle."""
+    from flowyard.policies.base import InstanceSnapshot, Role
+    snaps = {i: InstanceSnapshot(i, Role.MIXED, 0, 0, 0, 0, 1000, 1000, 16) for i in (0, 1)}
+    busy = snaps[0]  # decodes 40 requests: the decode-step rule alone would send every prompt to 1
+    busy.num_running = busy.num_decoding = 40
+    busy.running_tokens = 40_000
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    r = FlowyardRouter(cost)
+    picks = []
+    for k in range(4):
+        req = Request(id=k, arrival=0.0, prompt_len=3000, output_len=10, slo=SLO(ttft=1.0, tpot=0.1))
+        i = r._colocated_pick(req, view, [0, 1], 0.0)
+        snaps[i].count_in(req)
+        picks.append(i)
+    assert sorted(picks) == [0, 0, 1, 1]
+    s = snaps[1]
+    assert s.num_waiting == 2 and s.waiting_tokens == 6000 and s.prefill_queue == ((0, 3000), (0, 3000))
+    assert s.prefill_deadlines == (1.0, 1.0)

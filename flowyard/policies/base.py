@@ -64,6 +64,18 @@ class InstanceSnapshot:
     def kv_usage(self) -> float:
         return 1.0 - self.kv_free_blocks / self.kv_total_blocks
 
+    def count_in(self, req: Request) -> None:
+        """Count a request queued here after this snapshot was taken, until the instance's next
+        one (vLLM's router does the same): an executor whose snapshots are a step old (Ray)
+        would otherwise show every arrival of that step the same idle queue, and a
+        delay-based dispatcher would send them all to one instance."""
+        self.num_waiting += 1
+        self.waiting_tokens += req.prompt_len
+        if len(self.prefill_deadlines) == len(self.prefill_queue):  # keep them aligned (or both empty)
+            due = req.arrival + req.slo.ttft if req.slo.ttft is not None else float("inf")
+            self.prefill_deadlines = self.prefill_deadlines + (due,)
+        self.prefill_queue = self.prefill_queue + ((0, req.prompt_len),)
+
     @property
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting + self.num_migrating_in

@@ -104,9 +104,7 @@ class RayCluster(ClusterBase):
             return False
         self._call(instance, "add_request", self._rid[st.id], st, self._new[st.id])
         self._mark_busy(instance)
-        snap = self._snaps[instance]  # count it in until the instance's next snapshot (vLLM does too)
-        snap.num_waiting += 1
-        snap.waiting_tokens += st.req.prompt_len
+        self._snaps[instance].count_in(st.req)
         return True
 
     def hand_off(self, instance: int, st: RequestState) -> bool:
