@@ -179,3 +179,15 @@ def test_a_request_counted_into_a_stale_snapshot_delays_the_next_dispatch(cost):
     s = snaps[1]
     assert s.num_waiting == 2 and s.waiting_tokens == 6000 and s.prefill_queue == ((0, 3000), (0, 3000))
     assert s.prefill_deadlines == (1.0, 1.0)
+
+
+def test_a_prompt_without_ttft_slo_waits_for_everything_queued(cost):
+    """S-EDF ranks a request without a TTFT SLO (deadline inf) after all queued work, its
+    like included (by arrival): the dispatcher must count all of it, not none."""
+    r = FlowyardRouter(cost)
+    req = Request(id=1, arrival=0.0, prompt_len=200, output_len=10)
+    snaps = {0: _snap(queue=((0, 8_000),), deadlines=[float("inf")]), 1: _snap(queue=((0, 500),), deadlines=[2.0])}
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    delays = r._delays(req, snaps, 0.0)
+    assert delays[0] > delays[1] > 0
+    assert r._colocated_pick(req, view, [0, 1], 0.0) == 1

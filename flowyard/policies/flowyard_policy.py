@@ -48,6 +48,7 @@ from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
 from flowyard.policies.base import ClusterView
 from flowyard.policies.flowyard_regime import Choice, Load, MonitorFlips, RegimePricer, rate as _rate
+from flowyard.policies.slack import deadline
 
 MODES = ("auto", "colocated", "disaggregated")
 MAX_SESSIONS = 65536
@@ -162,7 +163,7 @@ class FlowyardRouter:
         ahead of it (S-EDF: only feasible work due no later, `QuadraticTTFT.delay_ahead`)."""
         if self.cfg.order != "s-edf" or not self.cfg.delay_ahead:
             return {i: self.arrow.delay(s) for i, s in snaps.items()}
-        due = req.arrival + (req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo)
+        due = deadline(req)  # inf without a TTFT SLO: S-EDF ranks it after everything queued
         return {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
 
     def _decode_step(self, s, prompt: int) -> float:
