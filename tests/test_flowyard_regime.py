@@ -191,3 +191,31 @@ def test_a_prompt_without_ttft_slo_waits_for_everything_queued(cost):
     delays = r._delays(req, snaps, 0.0)
     assert delays[0] > delays[1] > 0
     assert r._colocated_pick(req, view, [0, 1], 0.0) == 1
+
+
+@pytest.mark.parametrize("park", [1.0, 2.0])
+def test_parking_prefills_ahead_of_a_decode_place_and_never_widens_the_decode_batch(cost, park):
+    """Decode places full (max_num_seqs 2, long outputs): with park 2 two more prompts are
+    prefilled and get their first token at once, then wait with their KV while the decode
+    batch stays at 2; with park 1 they wait in the queue for a decode to end."""
+    import numpy as np
+    from flowyard.core.kvcache import KVCacheManager
+    from flowyard.core.plan import StepOutput
+    from flowyard.policies.base import Role
+    from flowyard.policies.flowyard_local import flowyard_scheduler
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(400, 16), cost, max_num_seqs=2, max_repeats=1, park=park)
+    states = [RequestState(Request(id=k, arrival=0.0, prompt_len=32, output_len=40, slo=SLO(ttft=5.0, tpot=1.0)))
+              for k in range(4)]
+    for s in states:
+        core.add_request(s, 0.0)
+    now, widest = 0.0, 0
+    for _ in range(10):
+        plan = core.schedule(now)
+        widest = max(widest, len(plan.decodes))
+        now += 0.05
+        core.update_from_output(plan, StepOutput(end_times=np.array([now])))
+    assert widest == 2
+    first = [s.first_token_time is not None for s in states]
+    assert first == ([True] * 4 if park == 2.0 else [True, True, False, False])
+    if park == 2.0:
+        assert states[2].num_output == states[3].num_output == 1  # parked: first token, no decode place yet

@@ -12,6 +12,14 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   step and keeps its KV), so one step bounds how long an urgent prompt waits. vLLM's selector
   instead lets every started prompt continue first, so a long prompt's chunks hold the
   instance until it is done.
+- **Prefill-ahead admission (parking).** With `park` > 1 a prompt may start while up to
+  park x max_num_seqs requests run (its KV must fit): once prefilled it has its first token
+  and waits, KV held, for one of the max_num_seqs decode places (earliest admitted first).
+  Decode batches never exceed max_num_seqs. When the decode places are the bottleneck (long
+  outputs), a colocated instance otherwise holds every new prompt in its queue until a decode
+  ends, and the wait lands on TTFT; disaggregated policies already work this way (a prefilled
+  request waits in its decode instance's migration queue), where the wait lands on the first
+  inter-token gap, which a TPOT SLO averaged over a long output absorbs.
 - **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
   largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
   within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
@@ -40,11 +48,14 @@ class FlowyardSelector(DynaServeSelector):
     """Chunked prefill in `order` with a per-step budget bounded by the decodes' TPOT SLO."""
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
-                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True) -> None:
+                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
         self.chunk, self.tbt_budget, self.slack = chunk, tbt_budget, slack
+        if park < 1:
+            raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
+        self.park = park
         self.order = QueueOrder(order)
         self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
         self._tables: dict[float, ProfileTable] = {}
@@ -58,7 +69,10 @@ class FlowyardSelector(DynaServeSelector):
         return t
 
     def decode_cap(self, now: float) -> float:
+        """The decodes that join this step: at most max_num_seqs, the earliest admitted first
+        (requests parked beyond that wait with their KV and first token, `park`)."""
         ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
+        ready = ready[:self.core.max_num_seqs]
         n = len(ready)
         tpots = [r.req.slo.tpot for r in ready if r.req.slo.tpot is not None]
         if not self.tbt_budget or not n or not tpots:
@@ -69,7 +83,7 @@ class FlowyardSelector(DynaServeSelector):
             budget = self._table(self._limit(ready, min(tpots), now)).budget(n, ctx, history)
             self._budget = min(self.chunk, max(self.local.min_prefill, budget))
         self.token_budget = n + self._budget
-        return self.token_budget
+        return n
 
     def _limit(self, ready: list, tpot: float, now: float) -> float:
         """The TPOT value this step's budget answers for: the tightest SLO, or (`slack`) the
@@ -112,7 +126,7 @@ class FlowyardSelector(DynaServeSelector):
                 if st.status is Status.RUNNING:  # else preempted by an earlier grow this step
                     budget -= self.continue_prompt(st, budget, plan, now)
                 continue
-            if not admit or len(core.running) >= core.max_num_seqs:
+            if not admit or len(core.running) >= core.max_num_seqs * self.park:
                 continue
             n = self.start_prompt(st, budget, plan)
             if not n:
@@ -142,9 +156,10 @@ class FlowyardSelector(DynaServeSelector):
 
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
-                       max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True) -> LocalCore:
+                       max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
+                       park: float = 1.0) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
-    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack)
+    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

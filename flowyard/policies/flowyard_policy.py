@@ -31,6 +31,8 @@ while the cluster runs. The parts:
 - **Local scheduling** (`flowyard_local`): FlowPrefill's S-EDF queue order and DynaServe's
   TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
   have banked (TPOT is a mean), so long outputs amortise whole prefill chunks as in vLLM.
+  Prompts may be prefilled ahead of a free decode place (`park`): what Arrow's pools do
+  through their migration queues, on a colocated instance.
 
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
@@ -76,6 +78,7 @@ class FlowyardConfig:
     decode_headroom: float = 0.85  # share of it a decode instance's steps may use (KV hand-off gaps, bursts)
     ttft_share: float = 0.3  # colocated chunks of the mean prompt may take this share of its TTFT SLO
     max_num_seqs: int = 256
+    park: float = 1.5  # prompts may start while park x max_num_seqs run; decode batches stay <= max_num_seqs
     elastic: bool = True  # the controller sizes the pools; False: half prefill, half decode
     min_arrivals: int = 8  # arrivals seen before the controller first prices the regimes
     window: float = 10.0  # seconds of arrivals and prefill completions the controller's rates cover
@@ -85,6 +88,8 @@ class FlowyardConfig:
             raise ValueError(f"flowyard mode must be one of {MODES}, got {self.mode!r}")
         if self.chunk < 1 or self.patience < 1 or not self.period > 0:
             raise ValueError("chunk, patience and period must be positive")
+        if self.park < 1:
+            raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {self.park}")
 
 
 class FlowyardRouter:
@@ -296,7 +301,8 @@ def flowyard_policy(name: str, o) -> "Policy":
 
     def local(instance, role, kv, batch):
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
-                                  tbt_budget=cfg.tbt_budget, slack=cfg.slack, max_num_seqs=batch.max_num_seqs,
+                                  tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park,
+                                  max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
     batch = BatchConfig(max_num_batched_tokens=cfg.chunk, max_num_seqs=cfg.max_num_seqs)
