@@ -16,9 +16,11 @@ decodes' mean context (the cost model). Colocated: each instance carries N-th of
 plus the largest prefill budget that keeps the step within the SLO (DynaServe's Alg. 2), so
 prefill and decode compete for the same steps; its scale is the largest x for which the
 budgets left by x times the decodes still prefill x·λ·L. When the TPOT SLO does not bind (a
-full chunk fits beside the decodes) colocation costs nothing and wins outright; when the
-prefill speed left to one prompt beside the decodes is too slow for the prompts' TTFT SLOs
-(their mean tokens / TTFT SLO over `ttft_share` of it), it scores 0.
+full chunk fits beside the decodes) colocation costs nothing and wins outright. Its scale is
+also bounded where the prefill speed left to one prompt beside x times the decodes becomes
+too slow for the prompts' TTFT SLOs (their mean tokens / TTFT SLO over `ttft_share` of it),
+and, for prompts longer than a chunk, where a step with the local scheduler's prefill floor
+beside the decodes no longer fits the TPOT SLO.
 
 The split that maximises the scale wins (ties: colocated, then the current split), which is
 Arrow's elastic pools sized by price instead of per-request flips: decode-heavy loads (long
