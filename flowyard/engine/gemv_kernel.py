@@ -69,6 +69,13 @@ class GemvKernel:
                                       and bias.shape == (weight.shape[0],)))
                 and self.available())
 
+    def supports_int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> bool:
+        """Whether `int8` takes this call: `supports` for int8 codes with a bfloat16 scale."""
+        return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and q.dtype == torch.int8 and q.dim() == 2 and q.is_contiguous() and x.shape[1] == q.shape[1]
+                and scale.dtype == torch.bfloat16 and scale.is_contiguous() and scale.shape == (q.shape[0],)
+                and self.available())
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ weight.T (+ bias). x: (M <= 4, K) bf16 whose rows are contiguous (any row
         stride; other layouts are copied); weight: (N, K) contiguous; bias: (N,) or None.
@@ -99,7 +106,7 @@ class GemvKernel:
     def int8(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """y = (x @ q.T) * scale for 1..MAX_ROWS bfloat16 rows, q (N, K) int8 contiguous,
         scale (N,) bfloat16: `--quantization int8/w8a8`'s few-row path, one pass over the int8
-        codes (half bfloat16's bytes). Callers check `available()` and the dtypes."""
+        codes (half bfloat16's bytes). Callers check `supports_int8`."""
         if not self.available():
             raise RuntimeError("the gemv_bf16 kernel is not available")
         x = x.contiguous()

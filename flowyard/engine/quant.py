@@ -45,7 +45,6 @@ import math
 
 import torch
 
-from flowyard.engine.gemv_kernel import MAX_ROWS as GEMV_MAX_ROWS
 from flowyard.engine.gemv_kernel import gemv_bf16
 from flowyard.engine.model import CausalLM, PackedLinear
 
@@ -146,8 +145,7 @@ class QuantWeight:
         if self.mode == "w8a8" and x.shape[0] >= W8A8_MIN_ROWS:
             return w8a8_linear(x, self.q, self.scale)
         if self.mode != "int4":
-            if (x.dtype == torch.bfloat16 and self.scale.dtype == torch.bfloat16 and x.shape[0] <= GEMV_MAX_ROWS
-                    and x.device.type == "cpu" and gemv_bf16.available()):
+            if gemv_bf16.supports_int8(x, self.q, self.scale):
                 return gemv_bf16.int8(x, self.q, self.scale)
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP_SIZE, self.scale)

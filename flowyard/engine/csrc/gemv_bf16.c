@@ -32,6 +32,18 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* One output of the int8 kernel for all M rows: the portable path and the N % 4 tail. */
+static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
+                    uint16_t *y, long ldy, long n, int M) {
+    const int8_t *wr = w + n * K;
+    for (int m = 0; m < M; m++) {
+        const float *xr = xf + m * K;
+        float acc = 0.0f;
+        for (long k = 0; k < K; k++) acc += xr[k] * (float)wr[k];
+        y[m * ldy + n] = f32_to_bf16(acc * bf16_to_f32(scale[n]) + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GEMV_IMPL 1
@@ -167,9 +179,6 @@ static inline __attribute__((always_inline)) void block4_w8(
     }
 }
 
-static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
-                    uint16_t *y, long ldy, long n, int M);
-
 static void rows_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
                     uint16_t *y, long ldy, long n0, long n1, int M) {
     long n = n0;
@@ -201,29 +210,12 @@ static void rows(const uint16_t *x, long ldx, const uint16_t *w, long K, const u
         for (int m = 0; m < M; m++) y[m * ldy + n] = f32_to_bf16(s[m] + b);
     }
 }
-#endif
-
-#if !GEMV_IMPL
-static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
-                    uint16_t *y, long ldy, long n, int M);
 
 static void rows_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
                     uint16_t *y, long ldy, long n0, long n1, int M) {
     for (long n = n0; n < n1; n++) tail_w8(xf, K, w, scale, bias, y, ldy, n, M);
 }
 #endif
-
-/* One output of the int8 kernel for all M rows: the portable path and the N % 4 tail. */
-static void tail_w8(const float *xf, long K, const int8_t *w, const uint16_t *scale, const uint16_t *bias,
-                    uint16_t *y, long ldy, long n, int M) {
-    const int8_t *wr = w + n * K;
-    for (int m = 0; m < M; m++) {
-        const float *xr = xf + m * K;
-        float acc = 0.0f;
-        for (long k = 0; k < K; k++) acc += xr[k] * (float)wr[k];
-        y[m * ldy + n] = f32_to_bf16(acc * bf16_to_f32(scale[n]) + (bias ? bf16_to_f32(bias[n]) : 0.0f));
-    }
-}
 
 /* Which implementation this build has: 1 AVX512_BF16, 0 portable C. */
 int gemv_bf16_impl(void) { return GEMV_IMPL; }
