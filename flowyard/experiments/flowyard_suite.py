@@ -226,8 +226,7 @@ class Row_:
         """Requests in a run at `rate`: rate x duration, clamped, so an overloaded run is long
         enough for its queues to show (a short burst is absorbed by 8 instances)."""
         s = self.settings
-        cap = self.spec.max_n if self.spec.max_n is not None and not s.quick else s.max_n
-        return int(min(cap, len(self.w.requests), max(s.min_n, round(rate * s.duration))))
+        return int(min(max_requests(self.spec, s), len(self.w.requests), max(s.min_n, round(rate * s.duration))))
 
     def window(self, rate: float) -> Workload:
         n = self.n_of(rate)
@@ -239,6 +238,11 @@ class Row_:
         t = threshold_search(lambda r: self.point(policy, r, knobs, label).attainment, self.spec.grid, TARGET,
                              find="max", tol=s.tol, extend=s.extend)
         return Search(t, {x: self.point(policy, x, knobs, label) for x, _ in t.curve})
+
+
+def max_requests(spec: WorkloadSpec, s: Settings) -> int:
+    """Most requests a run of this workload holds: its own cap, if it has one, outside quick runs."""
+    return spec.max_n if spec.max_n is not None and not s.quick else s.max_n
 
 
 def _regime_time(router, duration: float, start: float) -> tuple[int, float]:
@@ -264,7 +268,7 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
     res = Results(s, seed, [])
     for wk in s.workloads:
         spec = WORKLOADS[wk]
-        base = base_workload(wk, spec.max_n if spec.max_n is not None and not s.quick else s.max_n, seed)
+        base = base_workload(wk, max_requests(spec, s), seed)
         for sk in s.slos:
             slo = SLO_SETTINGS[sk]
             w = with_setting(base, spec, slo)

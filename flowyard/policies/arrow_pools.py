@@ -112,10 +112,7 @@ class QuadraticTTFT:
         """Eq. 1-2: a new prompt waits for every prefill queued or running ahead of it. Decodes
         share each step's token budget (they go first), so a prefill advances only by the rest
         of the budget: the delay stretches by chunk / (chunk − decodes)."""
-        delay = sum(self.remaining(h, n) for h, n in s.prefill_queue)
-        if s.num_decoding:
-            delay *= chunk / max(1, chunk - s.num_decoding)
-        return delay
+        return _stretched(sum(self.remaining(h, n) for h, n in s.prefill_queue), s, chunk)
 
     def delay_ahead(self, s: InstanceSnapshot, chunk: int, due: float, now: float) -> float:
         """`queue_delay` under a slack-aware order (S-EDF, re-ranked every step): a prompt due at
@@ -131,9 +128,15 @@ class QuadraticTTFT:
                 t = self.remaining(h, n)
                 if d - now >= t:
                     delay += t
-        if s.num_decoding:
-            delay *= chunk / max(1, chunk - s.num_decoding)
-        return delay
+        return _stretched(delay, s, chunk)
+
+
+def _stretched(delay: float, s: InstanceSnapshot, chunk: int) -> float:
+    """Prefill time on an instance whose decodes take their share of every step's budget
+    first: it stretches by chunk / (chunk - decodes) (Eq. 1-2's queueing delay)."""
+    if s.num_decoding:
+        delay *= chunk / max(1, chunk - s.num_decoding)
+    return delay
 
 
 def max_running_tokens(cost: CostModel, tpot: float, kv_tokens: int, max_num_seqs: int,

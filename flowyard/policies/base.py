@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import Request, RequestState
+from flowyard.policies.slack import deadline
 
 
 class Role(enum.Enum):
@@ -72,8 +73,7 @@ class InstanceSnapshot:
         self.num_waiting += 1
         self.waiting_tokens += req.prompt_len
         if len(self.prefill_deadlines) == len(self.prefill_queue):  # keep them aligned (or both empty)
-            due = req.arrival + req.slo.ttft if req.slo.ttft is not None else float("inf")
-            self.prefill_deadlines = self.prefill_deadlines + (due,)
+            self.prefill_deadlines = self.prefill_deadlines + (deadline(req),)
         self.prefill_queue = self.prefill_queue + ((0, req.prompt_len),)
 
     @property
