@@ -89,6 +89,7 @@ ABLATIONS: dict[str, dict] = {
     "fixed half/half split instead of priced pools": {"elastic": False},
     "Arrow's SLO-aware flips and monitor on": {"pools": "slo"},
     "FCFS instead of S-EDF": {"order": "fcfs"},
+    "S-EDF without Moore-Hodgson shedding": {"shed": False},
     "dispatch by the whole queue, not the work S-EDF ranks ahead": {"delay_ahead": False},
     "fixed chunk instead of TBT budgets": {"tbt_budget": False},
     "per-step TBT budgets (no banked TPOT slack)": {"slack": False},

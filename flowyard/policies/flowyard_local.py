@@ -38,7 +38,7 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
 from flowyard.policies.core import LocalCore
 from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, ProfileTable
-from flowyard.policies.order import QueueOrder
+from flowyard.policies.order import QueueOrder, moore_hodgson
 from flowyard.policies.slack import TTFTPredictor
 
 INF = float("inf")
@@ -48,11 +48,12 @@ class FlowyardSelector(DynaServeSelector):
     """Chunked prefill in `order` with a per-step budget bounded by the decodes' TPOT SLO."""
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
-                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0) -> None:
+                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
+                 shed: bool = False) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
-        self.chunk, self.tbt_budget, self.slack = chunk, tbt_budget, slack
+        self.chunk, self.tbt_budget, self.slack, self.shed = chunk, tbt_budget, slack, shed
         if park < 1:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
         self.park = park
@@ -116,6 +117,8 @@ class FlowyardSelector(DynaServeSelector):
         queue = [(key(st, now, self.ttft_hat), 0, k, st, None) for k, st in enumerate(started)]
         queue += [(key(w[2], now, self.ttft_hat), 1, w[1], w[2], w) for w in self._waiting]
         queue.sort(key=lambda q: (q[0], q[1], q[2]))
+        if self.shed and self.order.needs_ttft:
+            queue = self._shed(queue, now)
         budget = self.token_budget - plan.num_tokens
         taken: list[tuple] = []
         admit = True  # False once a queued prompt found no KV: no later one overtakes it
@@ -140,6 +143,18 @@ class FlowyardSelector(DynaServeSelector):
             self._waiting_tokens -= sum(e[3] for e in taken)
         return plan
 
+    def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
+        """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
+        back alone in this order, rank with the late ones, so the rest all make their TTFT."""
+        late = moore_hodgson(((q[0][1], self.ttft_hat(q[3]), i) for i, q in enumerate(queue) if q[0][0] == 0), now)
+        if not late:
+            return queue
+        for i in late:
+            k = queue[i][0]
+            queue[i] = ((1, -k[1], *k[2:]), *queue[i][1:])
+        queue.sort(key=lambda q: (q[0], q[1], q[2]))
+        return queue
+
     def allows_run(self) -> bool:
         """No multi-step decode run while prompts wait: S-EDF's ranking and the KV admission
         rule are redone at every step, so a run would not be the steps it stands for."""
@@ -157,9 +172,9 @@ class FlowyardSelector(DynaServeSelector):
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
                        max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
-                       park: float = 1.0) -> LocalCore:
+                       park: float = 1.0, shed: bool = False) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
-    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park)
+    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

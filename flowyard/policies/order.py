@@ -7,10 +7,20 @@ heap holds the queue. Deadline-slack orders (s-edf, d-edf) depend on `now` and o
 TTFT (TTFT-hat), so a queue that uses them re-ranks at every round (`QueueOrder.static` says
 which). Ties break by arrival, then request id (ids grow with arrival order in every executor),
 so a preempted request goes back ahead of later arrivals, as in vLLM.
+
+`moore_hodgson` is the overload rule `flowyard` adds to S-EDF (`shed`): S-EDF gives up on a
+request only once it alone can no longer make its deadline, so in a burst it serves requests
+in deadline order until each is just in time and lets whole runs of them go late. Moore and
+Hodgson's rule (1968) picks the set to give up that leaves the most requests on time: walk the
+queue in deadline order and, whenever the one reached would be late, give up the longest taken
+so far. Goodput counts requests, so in a burst of mixed lengths this keeps the many short
+prompts and lets a few long ones go.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,4 +65,19 @@ class QueueOrder:
         return priority_key(self.name, req, now, hat)
 
 
-__all__ = ["INF", "ORDERS", "QueueOrder"]
+def moore_hodgson(jobs: Iterable[tuple[float, float, Hashable]], now: float) -> set[Hashable]:
+    """The jobs (deadline, time, id), given in deadline order and run one after another from
+    `now`, to give up so that the most of the others finish by their deadlines (Moore-Hodgson:
+    optimal for one server; the rest, in the same order, all finish on time)."""
+    t, taken, late = now, [], set()
+    for k, (due, time, ident) in enumerate(jobs):
+        t += time
+        heapq.heappush(taken, (-time, -k, ident))  # ties: give up the later-due one
+        if t > due:
+            longest, _, gone = heapq.heappop(taken)
+            t += longest
+            late.add(gone)
+    return late
+
+
+__all__ = ["INF", "ORDERS", "QueueOrder", "moore_hodgson"]

@@ -1,0 +1,82 @@
+"""flowyard's overload rule: S-EDF plus Moore-Hodgson's choice of the prompts to give up
+(`order.moore_hodgson`, `FlowyardSelector(shed=True)`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from flowyard.core.kvcache import KVCacheManager
+from flowyard.core.plan import StepOutput
+from flowyard.core.request import SLO, Request, RequestState
+from flowyard.policies.base import Role
+from flowyard.policies.flowyard_local import flowyard_scheduler
+from flowyard.policies.order import moore_hodgson
+from flowyard.sim.run import SimConfig, build_cost_model
+
+
+def _on_time(jobs, now) -> bool:
+    t = now
+    for due, time, _ in jobs:
+        t += time
+        if t > due:
+            return False
+    return True
+
+
+job = hs.tuples(hs.integers(1, 40), hs.integers(1, 12))  # (deadline, time) in ticks
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(job, max_size=7), hs.integers(0, 5))
+def test_moore_hodgson_keeps_the_most_jobs_on_time(raw, now):
+    jobs = sorted((float(d), float(t), k) for k, (d, t) in enumerate(raw))
+    late = moore_hodgson(jobs, float(now))
+    kept = [j for j in jobs if j[2] not in late]
+    assert _on_time(kept, now)  # what it keeps, run in deadline order, all make it
+    best = max((r for r in range(len(jobs) + 1)
+                for sub in itertools.combinations(jobs, r) if _on_time(list(sub), now)), default=0)
+    assert len(kept) == best  # and no other choice keeps more
+
+
+def test_moore_hodgson_gives_up_the_longest_not_the_latest():
+    # deadline order: a long job first, then three short ones that only fit without it
+    jobs = [(10.0, 9.5, "long"), (10.5, 1.0, "s1"), (11.0, 1.0, "s2"), (11.5, 1.0, "s3")]
+    assert moore_hodgson(jobs, 0.0) == {"long"}
+    assert moore_hodgson(jobs[1:], 0.0) == set()
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return build_cost_model(SimConfig(model="qwen2.5-32b", hardware="h800", tp=2))
+
+
+def _serve_burst(cost, shed: bool) -> list[bool]:
+    """One instance, a long prompt due first and eight short ones due just after it; whether
+    each made its TTFT."""
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(4096, 16), cost, max_repeats=1, shed=shed)
+    long_t = cost.prefill_time(16384)
+    reqs = [Request(id=0, arrival=0.0, prompt_len=16384, output_len=2, slo=SLO(ttft=long_t * 1.3, tpot=1.0))]
+    reqs += [Request(id=k, arrival=0.0, prompt_len=1024, output_len=2, slo=SLO(ttft=long_t * 1.4, tpot=1.0))
+             for k in range(1, 9)]
+    states = [RequestState(r) for r in reqs]
+    for s in states:
+        core.add_request(s, 0.0)
+    now = 0.0
+    while any(s.first_token_time is None for s in states):
+        plan = core.schedule(now)
+        now += float(cost.step_time(plan.shape()))
+        core.update_from_output(plan, StepOutput(end_times=np.array([now])))
+    return [s.first_token_time - s.req.arrival <= s.req.slo.ttft for s in states]
+
+
+def test_a_burst_keeps_the_short_prompts_on_time(cost):
+    """S-EDF serves the long prompt first (it alone can still make it) and most short ones go
+    late; with the shedding rule the long one is given up and every short one makes it."""
+    plain, shed = _serve_burst(cost, False), _serve_burst(cost, True)
+    assert plain[0] and sum(plain[1:]) < 8
+    assert shed == [False] + [True] * 8
