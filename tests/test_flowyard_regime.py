@@ -13,7 +13,7 @@ from flowyard.policies.arrow_pools import PREFILL_SIDE, QuadraticTTFT
 from flowyard.policies.flowyard_local import FlowyardSelector
 from flowyard.policies.flowyard_policy import FlowyardConfig, FlowyardRouter
 from flowyard.policies.flowyard_regime import rate as _rate
-from flowyard.policies.flowyard_regime import Load, RegimePricer
+from flowyard.policies.flowyard_regime import Choice, Load, RegimePricer
 from flowyard.sim.run import SimConfig, build_cost_model
 
 
@@ -101,6 +101,26 @@ def test_router_resizes_the_pools_to_the_wanted_split(cost):
         r._resize(view, float(n), n)
         assert r.n_prefill == n and len(r.pools.members(*PREFILL_SIDE)) == n
     assert [p for _, p in r.splits] == [1, 3, 2]
+
+
+@pytest.mark.parametrize("queued", [0, 40_000])
+def test_the_prefill_pool_does_not_shrink_under_a_backlog(cost, queued):
+    """The pricer asks for one prefill instance fewer: granted with empty prefill queues,
+    refused while 40k queued prompt tokens would take the smaller pool past a quarter of the
+    TTFT SLO (3 s)."""
+    r = FlowyardRouter(cost, FlowyardConfig(mode="disaggregated"))
+    snaps = {i: SimpleNamespace(waiting_tokens=0, running_tokens=0, num_decoding=0, num_migrating_in=0,
+                                prefill_queue=(), num_running=0) for i in range(4)}
+    view = SimpleNamespace(instances=lambda role=None: list(snaps), snapshot=lambda i: snaps[i])
+    r._resize(view, 0.0, 2)
+    for i in r.pools.members(*PREFILL_SIDE):
+        snaps[i].prefill_queue = ((0, queued),) if queued else ()
+        snaps[i].waiting_tokens = queued
+    r.pricer.choose = lambda load, current: Choice("disaggregated", 1, {1: 2.0, 2: 1.0})
+    r.load = lambda view, now: load(4.0, 2000, 8, 2000, 0.025)
+    for k in range(3):
+        r.tick(view, 1.0 + k)
+    assert r.n_prefill == (1 if not queued else 2)
 
 
 def _decoding(tpot: float, out: int, first: float) -> RequestState:

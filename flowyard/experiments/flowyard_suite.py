@@ -87,6 +87,7 @@ ABLATIONS: dict[str, dict] = {
     "pinned colocated": {"mode": "colocated"},
     "pinned disaggregated (Arrow pools)": {"mode": "disaggregated"},
     "fixed half/half split instead of priced pools": {"elastic": False},
+    "prefill pool shrinks under a backlog": {"shrink_backlog": None},
     "Arrow's SLO-aware flips and monitor on": {"pools": "slo"},
     "FCFS instead of S-EDF": {"order": "fcfs"},
     "S-EDF without Moore-Hodgson shedding": {"shed": False},

@@ -81,6 +81,7 @@ class FlowyardConfig:
     max_num_seqs: int = 256
     park: float = 1.5  # prompts may start while park x max_num_seqs run; decode batches stay <= max_num_seqs
     elastic: bool = True  # the controller sizes the pools; False: half prefill, half decode
+    shrink_backlog: float | None = 0.25  # no fewer prefill instances while their backlog is above this x TTFT
     min_arrivals: int = 8  # arrivals seen before the controller first prices the regimes
     window: float = 10.0  # seconds of arrivals and prefill completions the controller's rates cover
 
@@ -112,6 +113,7 @@ class FlowyardRouter:
         self._tpots: deque[float] = deque(maxlen=256)  # TPOT SLOs of recent arrivals
         self._prompts: deque[int] = deque(maxlen=256)  # their new (uncached) prompt tokens
         self._urgency: deque[float] = deque(maxlen=256)  # their new prompt tokens / TTFT SLO
+        self._ttfts: deque[float] = deque(maxlen=256)  # their TTFT SLOs
         self._arrivals: deque[float] = deque(maxlen=256)  # their arrival times (the rate)
         self._outputs: deque[int] = deque(maxlen=256)  # output tokens of recently finished requests
         self.estimates: list[tuple[float, str, int]] = []  # (time, regime, prefill instances) wanted per tick
@@ -133,6 +135,7 @@ class FlowyardRouter:
         self._prompts.append(req.prompt_len - req.history_len)
         if req.slo.ttft is not None:
             self._urgency.append((req.prompt_len - req.history_len) / max(1e-3, req.slo.ttft))
+            self._ttfts.append(req.slo.ttft)
         self._arrivals.append(now)
         if self.regime == "disaggregated":
             pick = self.arrow.route(req, view, now)
@@ -238,12 +241,24 @@ class FlowyardRouter:
             return Choice("colocated", 0, {})
         current = 0 if self.regime == "colocated" else (self.n_prefill or load.instances // 2)
         choice = self.pricer.choose(load, current)
+        if choice.regime == "disaggregated" and 0 < choice.n_prefill < current and self._backlogged(view, choice.n_prefill):
+            choice = Choice("disaggregated", current, choice.scores)
         if self.cfg.mode == "disaggregated" and choice.regime == "colocated":
             dis = {k: v for k, v in choice.scores.items() if k} or {current or load.instances // 2: 0.0}
             best = max(dis, key=dis.get)
             choice = Choice("disaggregated", best, choice.scores)
         self.estimates.append((now, choice.regime, choice.n_prefill))
         return choice
+
+    def _backlogged(self, view: ClusterView, n_prefill: int) -> bool:
+        """Whether the prefill pool's queued work, spread over n_prefill instances, would take
+        more than `shrink_backlog` of the recent arrivals' mean TTFT SLO."""
+        share, pools = self.cfg.shrink_backlog, self.arrow.pools
+        if share is None or pools is None or self.regime != "disaggregated":
+            return False
+        ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else self.cfg.ttft_slo
+        work = sum(self.arrow.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE))
+        return work / n_prefill > share * ttft
 
     def tick(self, view: ClusterView, now: float) -> None:
         if self.cfg.mode != "colocated":
