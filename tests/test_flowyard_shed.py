@@ -80,3 +80,30 @@ def test_a_burst_keeps_the_short_prompts_on_time(cost):
     plain, shed = _serve_burst(cost, False), _serve_burst(cost, True)
     assert plain[0] and sum(plain[1:]) < 8
     assert shed == [False] + [True] * 8
+
+
+def _kv_tight(cost, prefill_preempts: bool):
+    """36 KV blocks of 16 tokens; a short request, then two 320-token prompts (20 blocks each)
+    that cannot both hold their KV while the first of them decodes."""
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(36, 16), cost, chunk=64, max_repeats=1,
+                              prefill_preempts=prefill_preempts)
+    slo = SLO(ttft=100.0, tpot=10.0)
+    states = [RequestState(Request(id=0, arrival=0.0, prompt_len=16, output_len=30, slo=slo)),
+              RequestState(Request(id=1, arrival=0.0, prompt_len=320, output_len=30, slo=slo)),
+              RequestState(Request(id=2, arrival=0.0, prompt_len=320, output_len=2, slo=slo))]
+    for s in states:
+        core.add_request(s, 0.0)
+    now, steps = 0.0, 0
+    while core.has_work() and steps < 1000:
+        plan = core.schedule(now)
+        now += float(cost.step_time(plan.shape()))
+        core.update_from_output(plan, StepOutput(end_times=np.array([now])))
+        steps += 1
+    return core, states
+
+
+def test_a_prompt_chunk_waits_for_kv_instead_of_recomputing_another_prompt(cost):
+    vllm_rule, _ = _kv_tight(cost, True)
+    core, states = _kv_tight(cost, False)
+    assert vllm_rule.preempted > 0  # the second prompt's chunks threw its own work away, again and again
+    assert core.preempted == 0 and all(s.status.name == "FINISHED" for s in states)

@@ -91,6 +91,7 @@ ABLATIONS: dict[str, dict] = {
     "Arrow's SLO-aware flips and monitor on": {"pools": "slo"},
     "FCFS instead of S-EDF": {"order": "fcfs"},
     "S-EDF without Moore-Hodgson shedding": {"shed": False},
+    "a prompt's chunk preempts for KV (vLLM)": {"prefill_preempts": True},
     "dispatch by the whole queue, not the work S-EDF ranks ahead": {"delay_ahead": False},
     "fixed chunk instead of TBT budgets": {"tbt_budget": False},
     "per-step TBT budgets (no banked TPOT slack)": {"slack": False},

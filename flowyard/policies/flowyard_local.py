@@ -20,6 +20,13 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   ends, and the wait lands on TTFT; disaggregated policies already work this way (a prefilled
   request waits in its decode instance's migration queue), where the wait lands on the first
   inter-token gap, which a TPOT SLO averaged over a long output absorbs.
+- **A chunk waits for KV instead of preempting.** vLLM lets a prompt's next chunk free KV by
+  recompute-preempting the most recently admitted running request; with long prompts that is
+  often another half-prefilled prompt, whose work is thrown away and redone (Mooncake at loose
+  TPOT: 400 preemptions, 1.7x the prompt tokens computed). Here a started prompt whose chunk
+  does not fit skips the step and keeps its KV; decodes finishing free blocks. Only a step
+  that would otherwise be empty lets the chunk preempt as vLLM does, so the instance always
+  makes progress (`prefill_preempts` restores vLLM's rule).
 - **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
   largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
   within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
-from flowyard.core.request import Status
+from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
 from flowyard.policies.core import LocalCore
@@ -49,11 +56,12 @@ class FlowyardSelector(DynaServeSelector):
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
                  headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
-                 shed: bool = False) -> None:
+                 shed: bool = False, prefill_preempts: bool = True) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
         self.chunk, self.tbt_budget, self.slack, self.shed = chunk, tbt_budget, slack, shed
+        self.prefill_preempts = prefill_preempts
         if park < 1:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
         self.park = park
@@ -143,6 +151,15 @@ class FlowyardSelector(DynaServeSelector):
             self._waiting_tokens -= sum(e[3] for e in taken)
         return plan
 
+    def continue_prompt(self, st: RequestState, budget: int, plan: StepPlan, now: float) -> int:
+        """A started prompt's next chunk; without `prefill_preempts` it waits when its KV does
+        not fit and the step has other work (module docstring)."""
+        if not self.prefill_preempts and not plan.empty:
+            n = self._chunk(self.want(st), budget, plan)
+            if n and not self.core.kv.can_allocate(st.id, st.num_computed + n):
+                return 0
+        return super().continue_prompt(st, budget, plan, now)
+
     def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
         """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
         back alone in this order, rank with the late ones, so the rest all make their TTFT."""
@@ -172,9 +189,10 @@ class FlowyardSelector(DynaServeSelector):
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
                        max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
-                       park: float = 1.0, shed: bool = False) -> LocalCore:
+                       park: float = 1.0, shed: bool = False, prefill_preempts: bool = True) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
-    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed)
+    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
+                           prefill_preempts=prefill_preempts)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

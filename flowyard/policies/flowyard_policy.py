@@ -63,6 +63,7 @@ class FlowyardConfig:
     dispatch_flips: bool = True  # Arrow's Alg. 1/2 may flip an instance per request; False: the monitor only
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
     shed: bool = True  # S-EDF gives up the prompts Moore-Hodgson picks in an overload (flowyard_local)
+    prefill_preempts: bool = False  # a chunk may recompute-preempt for KV (vLLM); False: it waits
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
     slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
     delay_tolerance: float = 0.02  # ... whose delay is within this share of the TTFT SLO of the least
@@ -318,6 +319,7 @@ def flowyard_policy(name: str, o) -> "Policy":
     def local(instance, role, kv, batch):
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
                                   tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
+                                  prefill_preempts=cfg.prefill_preempts,
                                   max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
