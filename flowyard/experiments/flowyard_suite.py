@@ -95,6 +95,7 @@ ABLATIONS: dict[str, dict] = {
     "dispatch by the whole queue, not the work S-EDF ranks ahead": {"delay_ahead": False},
     "fixed chunk instead of TBT budgets": {"tbt_budget": False},
     "per-step TBT budgets (no banked TPOT slack)": {"slack": False},
+    "no TTFT rescue": {"rescue": None},
     "no session affinity": {"affinity": None},
     "no prefill-ahead admission (parking)": {"park": 1.0},
 }

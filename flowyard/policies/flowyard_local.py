@@ -27,6 +27,13 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   does not fit skips the step and keeps its KV; decodes finishing free blocks. Only a step
   that would otherwise be empty lets the chunk preempt as vLLM does, so the instance always
   makes progress (`prefill_preempts` restores vLLM's rule).
+- **TTFT rescue.** When the top-ranked prompt would miss its TTFT deadline at the step's
+  TPOT-bounded budget but makes it with a larger one (the budget doubled up to the chunk),
+  the step takes the smallest such budget, as long as its longer step breaks the banked TPOT
+  slack of at most `rescue` (a tenth) of its decodes. One prompt saved for a few decodes'
+  slack: TPOT is a mean, and a decode's later steps pay back one long step. BurstGPT at
+  25 ms TPOT and 250 ms TTFT, colocated: 4.25 -> 4.81 req/s (vLLM's chunked prefill, which
+  never protects TPOT, 4.62).
 - **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
   largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
   within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
@@ -38,8 +45,10 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.plan import BatchShape, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
@@ -56,12 +65,12 @@ class FlowyardSelector(DynaServeSelector):
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
                  headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
-                 shed: bool = False, prefill_preempts: bool = True) -> None:
+                 shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
         self.chunk, self.tbt_budget, self.slack, self.shed = chunk, tbt_budget, slack, shed
-        self.prefill_preempts = prefill_preempts
+        self.prefill_preempts, self.rescue = prefill_preempts, rescue
         if park < 1:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
         self.park = park
@@ -91,8 +100,42 @@ class FlowyardSelector(DynaServeSelector):
             history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
             budget = self._table(self._limit(ready, min(tpots), now)).budget(n, ctx, history)
             self._budget = min(self.chunk, max(self.local.min_prefill, budget))
+            if self.rescue is not None and self._budget < self.chunk:
+                self._budget = self._rescued(ready, ctx * n, now) or self._budget
         self.token_budget = n + self._budget
         return n
+
+    def _rescued(self, ready: list, ctx_sum: float, now: float) -> int | None:
+        """TTFT rescue (module docstring): the smallest doubling of the budget with which the
+        top-ranked prompt makes its deadline, if this step's decodes can spare it; else None."""
+        if self.order.static:
+            return None
+        cands = [r for r in self.core.running if r.in_prefill and r.status is Status.RUNNING]
+        cands += [w[2] for w in self._waiting]
+        if not cands:
+            return None
+        key = self.order.key
+        head = min(cands, key=lambda st: key(st, now, self.ttft_hat))
+        late, due = key(head, now, self.ttft_hat)[:2]
+        u, h, n = self.want(head), head.num_computed, len(ready)
+
+        def step(b: int) -> float:
+            shape = BatchShape.of([(h, min(u, b))], [])
+            return float(self.profile.cost.step_time(replace(shape, decode_seqs=n, decode_ctx=ctx_sum)))
+
+        b = self._budget
+        if late or not u or now + -(-u // b) * step(b) <= due:
+            return None
+        while b < self.chunk:
+            b = min(self.chunk, 2 * b)
+            t = step(b)
+            if now + -(-u // b) * t <= due:
+                break
+        else:
+            return None  # not even full chunks save it
+        spent = sum(1 for r in ready if r.req.slo.tpot is not None and r.first_token_time is not None
+                    and r.req.slo.tpot * r.num_output - (now - r.first_token_time) < t)
+        return b if spent <= self.rescue * n else None
 
     def _limit(self, ready: list, tpot: float, now: float) -> float:
         """The TPOT value this step's budget answers for: the tightest SLO, or (`slack`) the
@@ -189,10 +232,11 @@ class FlowyardSelector(DynaServeSelector):
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
                        max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
-                       park: float = 1.0, shed: bool = False, prefill_preempts: bool = True) -> LocalCore:
+                       park: float = 1.0, shed: bool = False, prefill_preempts: bool = True,
+                       rescue: float | None = None) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
     sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
-                           prefill_preempts=prefill_preempts)
+                           prefill_preempts=prefill_preempts, rescue=rescue)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

@@ -64,6 +64,7 @@ class FlowyardConfig:
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
     shed: bool = True  # S-EDF gives up the prompts Moore-Hodgson picks in an overload (flowyard_local)
     prefill_preempts: bool = False  # a chunk may recompute-preempt for KV (vLLM); False: it waits
+    rescue: float | None = 0.1  # TTFT rescue: a step may break the banked TPOT slack of this share of its decodes
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
     slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
     delay_tolerance: float = 0.02  # ... whose delay is within this share of the TTFT SLO of the least
@@ -122,7 +123,8 @@ class FlowyardRouter:
         self.n_prefill = 0  # prefill-side instances while disaggregated
         self.pricer = RegimePricer(predictor, self.arrow.ttft, chunk=c.chunk, headroom=c.headroom,
                                    decode_headroom=c.decode_headroom, amortised=c.slack and c.tbt_budget,
-                                   ttft_share=c.ttft_share, max_num_seqs=c.max_num_seqs)
+                                   ttft_share=c.ttft_share, max_num_seqs=c.max_num_seqs,
+                                   rescue=c.rescue is not None and c.tbt_budget)
         self._votes = 0  # consecutive ticks that disagreed with the regime
 
     @property
@@ -319,7 +321,7 @@ def flowyard_policy(name: str, o) -> "Policy":
     def local(instance, role, kv, batch):
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
                                   tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
-                                  prefill_preempts=cfg.prefill_preempts,
+                                  prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue,
                                   max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 

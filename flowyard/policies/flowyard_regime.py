@@ -64,11 +64,11 @@ class RegimePricer:
     def __init__(self, cost: CostModel, ttft_hat: Callable[[float], float], *, chunk: int = 2048,
                  headroom: float = 0.9, decode_headroom: float = 0.97, ttft_share: float = 0.3,
                  max_num_seqs: int = 256, amortised: bool = True, mean_headroom: float = 0.95,
-                 min_prefill: int = 64, comfort: float = 1.5) -> None:
+                 min_prefill: int = 64, comfort: float = 1.5, rescue: bool = False) -> None:
         self.cost, self.ttft_hat, self.chunk, self.amortised = cost, ttft_hat, chunk, amortised
         self.headroom, self.decode_headroom, self.ttft_share = headroom, decode_headroom, ttft_share
         self.max_num_seqs, self.mean_headroom, self.min_prefill = max_num_seqs, mean_headroom, min_prefill
-        self.comfort = comfort
+        self.comfort, self.rescue = comfort, rescue
         self.kv_tokens, self.kv_headroom = cost.kv_capacity_tokens(), 0.8
         self._budgets: dict[tuple[float, int, int, int], int] = {}
         self._decodes: dict[tuple[float, int], int] = {}
@@ -181,7 +181,11 @@ class RegimePricer:
             local scheduler's floor of `min_prefill` tokens a step when they leave none) takes
             at most `ttft_share` of the mean prompt's TTFT SLO. A condition on the scale, not a
             veto at the current load: near saturation it lowers colocation's score smoothly
-            instead of dropping it to 0 the moment the decodes fill the steps."""
+            instead of dropping it to 0 the moment the decodes fill the steps. With the local
+            scheduler's TTFT rescue a prompt that needs it runs at full speed, and `f` above
+            prices what that costs the decodes."""
+            if self.rescue:  # an urgent prompt gets full chunks, paid for by the decodes' slack
+                return load.urgency <= self.ttft_share * c_p
             speed = max(c_p * (1 - t_d(x) / limit), self.min_prefill / limit)
             return load.urgency <= self.ttft_share * speed
 

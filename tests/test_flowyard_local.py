@@ -1,5 +1,6 @@
-"""flowyard's overload rule: S-EDF plus Moore-Hodgson's choice of the prompts to give up
-(`order.moore_hodgson`, `FlowyardSelector(shed=True)`)."""
+"""flowyard's local rules under overload and contention (`flowyard_local`): S-EDF plus
+Moore-Hodgson's choice of the prompts to give up, chunks that wait for KV instead of
+preempting, and the TTFT rescue that spends decodes' banked TPOT slack."""
 
 from __future__ import annotations
 
@@ -107,3 +108,36 @@ def test_a_prompt_chunk_waits_for_kv_instead_of_recomputing_another_prompt(cost)
     core, states = _kv_tight(cost, False)
     assert vllm_rule.preempted > 0  # the second prompt's chunks threw its own work away, again and again
     assert core.preempted == 0 and all(s.status.name == "FINISHED" for s in states)
+
+
+def _decode(k: int, now: float, banked: bool) -> RequestState:
+    """A running decode at TPOT SLO 25 ms: 100 tokens out in 1 s (1.5 s banked) or in 2.5 s
+    (none left)."""
+    st = RequestState(Request(id=k, arrival=0.0, prompt_len=64, output_len=1000, slo=SLO(ttft=10.0, tpot=0.025)))
+    st.num_computed, st.num_output = 64 + 100, 100
+    st.first_token_time = now - (1.0 if banked else 2.5)
+    return st
+
+
+def _step_budget(cost, banked: int, rescue: float | None) -> int:
+    from flowyard.core.request import Status
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(4096, 16), cost, max_repeats=1, rescue=rescue)
+    now = 100.0
+    for k in range(10):
+        st = _decode(k, now, k < banked)
+        st.status = Status.RUNNING
+        core.running.append(st)
+    prompt = RequestState(Request(id=99, arrival=now, prompt_len=4096, output_len=10, slo=SLO(ttft=0.5, tpot=0.025)))
+    core.add_request(prompt, now)
+    core.selector.decode_cap(now)
+    return core.selector._budget
+
+
+def test_ttft_rescue_spends_banked_slack_of_few_decodes_to_save_a_prompt(cost):
+    """Ten decodes, at least one without banked slack (so the budget answers for 25 ms), and
+    a 4,096-token prompt due in 0.5 s, which budget-sized chunks miss and full chunks make:
+    the rescue takes a larger budget when at most a tenth of the decodes lose slack."""
+    bounded = _step_budget(cost, 9, None)
+    assert bounded < 512
+    assert _step_budget(cost, 9, 0.1) > bounded  # one decode of ten pays
+    assert _step_budget(cost, 0, 0.1) == bounded  # all ten would: no rescue
