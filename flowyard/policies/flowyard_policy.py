@@ -4,9 +4,10 @@ Every instance is stateless (`Role.MIXED`, Arrow §5.2), so whether the cluster 
 disaggregated is a decision of the global scheduler, not of the deployment, and it can change
 while the cluster runs. The parts:
 
-- **Regime controller (ours, `flowyard_regime`).** Every `period` it prices colocation and
-  every split of Arrow's pools (1 to N-1 prefill instances) by the load scale each could
-  sustain, from the recent arrival rate, mean prompt, the decodes held in steady state
+- **Regime controller (ours: `flowyard_control`, priced by `flowyard_regime`).** Every
+  `period` it prices colocation and every split of Arrow's pools (1 to N-1 prefill
+  instances) by the load scale each could sustain, from the recent arrival rate, mean prompt,
+  the decodes held in steady state
   (Little's law on the mean output of finished requests, so a prefill-starved cluster does not
   look decode-light) and the cost model: prefill tokens/s against arrivals, decodes within the
   TPOT SLO (and the KV cache) against decodes. Loose TPOT keeps the cluster colocated outright;
@@ -30,9 +31,13 @@ while the cluster runs. The parts:
   `affinity` seconds.
 - **Local scheduling** (`flowyard_local`): FlowPrefill's S-EDF queue order and DynaServe's
   TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
-  have banked (TPOT is a mean), so long outputs amortise whole prefill chunks as in vLLM.
+  have banked (TPOT is a mean, so long outputs amortise whole prefill chunks as in vLLM).
   Prompts may be prefilled ahead of a free decode place (`park`): what Arrow's pools do
-  through their migration queues, on a colocated instance.
+  through their migration queues, on a colocated instance. Three rules of ours for overload
+  and contention: in a burst S-EDF gives up the prompts Moore-Hodgson picks (`shed`: the most
+  requests on time), a started prompt's chunk waits for KV instead of recompute-preempting
+  another (`prefill_preempts`), and a step may take a larger budget to save a prompt's TTFT
+  when few of its decodes pay for it (`rescue`).
 
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
@@ -42,15 +47,20 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flowyard.core.plan import BatchShape
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
-from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
+from flowyard.policies.arrow_pools import PREFILL_SIDE
 from flowyard.policies.base import ClusterView
-from flowyard.policies.flowyard_regime import Choice, Load, MonitorFlips, RegimePricer, rate as _rate
+from flowyard.policies.flowyard_control import RegimeControl
+from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
 from flowyard.policies.slack import deadline
+
+if TYPE_CHECKING:
+    from flowyard.policies.registry import Policy
 
 MODES = ("auto", "colocated", "disaggregated")
 MAX_SESSIONS = 65536
@@ -96,7 +106,7 @@ class FlowyardConfig:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {self.park}")
 
 
-class FlowyardRouter:
+class FlowyardRouter(RegimeControl):
     """Dispatcher, decode router and controller of `flowyard` (module docstring)."""
 
     routes_mixed = True  # asked where every MIXED prefill decodes (stay, or Arrow's Alg. 2)
@@ -205,100 +215,6 @@ class FlowyardRouter:
         if self.regime == "colocated":
             return src  # decode where it prefilled: no KV moves
         return self.arrow.route_decode(state, src, view, now)
-
-    # -- the regime controller ---------------------------------------------------------------
-    def on_finished(self, state: RequestState, now: float) -> None:
-        """Learn the mean output length (executors call this for every finished request)."""
-        if state.num_output:
-            self._outputs.append(state.num_output)
-
-    def steady_decodes(self, observed: int, step: float, now: float) -> float:
-        """Decodes the cluster holds once prefill keeps up with arrivals: at least those
-        running now, and at least arrival rate (last `window` seconds) x mean output of the
-        requests finished recently x time per token (Little's law). The decodes running now lag
-        behind when prefill is the bottleneck: a starved prefill admits few decodes, so a
-        colocated cluster would look as if its steps had room to spare. (The mean output is
-        biased low early on, when only short outputs have finished: a lower bound still.)"""
-        if not self._outputs:
-            return float(observed)
-        rate = _rate(self._arrivals, now, self.cfg.window)
-        return max(float(observed), rate * sum(self._outputs) / len(self._outputs) * step)
-
-    def load(self, view: ClusterView, now: float) -> Load | None:
-        """What the pricing needs, from the recent arrivals and the instances' snapshots."""
-        if not self._tpots or len(self._arrivals) < self.cfg.min_arrivals:
-            return None  # no TPOT SLO, or too few arrivals to price anything yet: stay as configured
-        snaps = [view.snapshot(i) for i in view.instances()]
-        running = sum(s.num_running for s in snaps)
-        tpot = min(self._tpots)
-        decodes = self.steady_decodes(sum(s.num_decoding for s in snaps), tpot * self.cfg.headroom, now)
-        length = max(1.0, sum(self._prompts) / len(self._prompts)) if self._prompts else float(self.cfg.chunk)
-        urgency = sum(self._urgency) / len(self._urgency) if self._urgency else length / self.cfg.ttft_slo
-        return Load(len(snaps), _rate(self._arrivals, now, self.cfg.window), length, decodes,
-                    sum(s.running_tokens for s in snaps) / running if running else 0.0, tpot, urgency)
-
-    def wanted(self, view: ClusterView, now: float) -> Choice:
-        """The option with the largest sustainable load scale (`flowyard_regime`)."""
-        load = self.load(view, now)
-        if load is None:
-            return Choice("colocated", 0, {})
-        current = 0 if self.regime == "colocated" else (self.n_prefill or load.instances // 2)
-        choice = self.pricer.choose(load, current)
-        if choice.regime == "disaggregated" and 0 < choice.n_prefill < current and self._backlogged(view, choice.n_prefill):
-            choice = Choice("disaggregated", current, choice.scores)
-        if self.cfg.mode == "disaggregated" and choice.regime == "colocated":
-            dis = {k: v for k, v in choice.scores.items() if k} or {current or load.instances // 2: 0.0}
-            best = max(dis, key=dis.get)
-            choice = Choice("disaggregated", best, choice.scores)
-        self.estimates.append((now, choice.regime, choice.n_prefill))
-        return choice
-
-    def _backlogged(self, view: ClusterView, n_prefill: int) -> bool:
-        """Whether the prefill pool's queued work, spread over n_prefill instances, would take
-        more than `shrink_backlog` of the recent arrivals' mean TTFT SLO."""
-        share, pools = self.cfg.shrink_backlog, self.arrow.pools
-        if share is None or pools is None or self.regime != "disaggregated":
-            return False
-        ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else self.cfg.ttft_slo
-        work = sum(self.arrow.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE))
-        return work / n_prefill > share * ttft
-
-    def tick(self, view: ClusterView, now: float) -> None:
-        if self.cfg.mode != "colocated":
-            want = self.wanted(view, now)
-            if not self.cfg.elastic and want.regime == "disaggregated":
-                want = Choice(want.regime, max(1, len(view.instances()) // 2), want.scores)
-            differs = want.regime != self.regime or (want.regime == "disaggregated" and want.n_prefill != self.n_prefill)
-            self._votes = self._votes + 1 if differs else 0
-            if self._votes >= self.cfg.patience:
-                self._votes = 0
-                if want.regime != self.regime:
-                    self.regime = want.regime
-                    self.switches.append((now, want.regime))
-                if want.regime == "disaggregated":
-                    self._resize(view, now, want.n_prefill)
-        if self.regime == "disaggregated" and self.arrow.period is not None:
-            self.arrow.tick(view, now)  # Arrow's monitor (creates the pools on first use)
-
-    def _resize(self, view: ClusterView, now: float, n_prefill: int) -> None:
-        """Flip instances between Arrow's pools until `n_prefill` take prefills: to decode the
-        prefill-side instance with the least queued prefill, to prefill the decode-side one
-        with the fewest running tokens (zero-wait flips: the pools are bookkeeping)."""
-        pools = self.arrow._refresh(view, now)
-        while True:
-            pre = pools.members(*PREFILL_SIDE)
-            if len(pre) > n_prefill and len(pre) > 1:
-                i = min(pre, key=lambda k: (view.snapshot(k).waiting_tokens, k))
-                pools.flip_to_decode(i, view.snapshot(i), now)
-            elif len(pre) < n_prefill and len(pools.members(*DECODE_SIDE)) > 1:
-                dec = pools.members(*DECODE_SIDE)
-                i = min(dec, key=lambda k: (view.snapshot(k).running_tokens, k))
-                pools.flip_to_prefill(i, view.snapshot(i), now)
-            else:
-                break
-        self.n_prefill = len(pools.members(*PREFILL_SIDE))
-        if not self.splits or self.splits[-1][1] != self.n_prefill:
-            self.splits.append((now, self.n_prefill))
 
 
 def flowyard_policy(name: str, o) -> "Policy":
