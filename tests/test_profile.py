@@ -78,3 +78,20 @@ def test_grid_points_cover_prefill_decode_and_mixed():
     assert any(p.decode and not p.prefill for p in grid)
     assert any(p.decode and p.prefill for p in grid)
     assert GridPoint().prefill == []
+
+
+def test_gemm_curve_never_falls_with_more_tokens():
+    """A noisy profile (the 1,024-token GEMMs measured faster than the 64-token ones, as on a
+    loaded CPU) still gives a step time that does not fall as tokens grow: budget searches
+    bisect on it."""
+    from flowyard.costmodel.profiled import GEMM_OPS
+    samples = []
+    for n, gemm in ((16, 1e-3), (64, 4e-3), (256, 3e-3), (1024, 2e-3), (2048, 6e-3)):
+        shape = BatchShape.of([(0, n)], [])
+        times = {op: (gemm if op in GEMM_OPS else 1e-4 * (1 + n / 1024)) for op in (*LAYER_OPS, "step_other")}
+        samples.append({"shape": {f: getattr(shape, f) for f in ("prefill_tokens", "prefill_seqs", "prefill_attn",
+                                                                 "prefill_kv", "decode_seqs", "decode_ctx")},
+                        "times": times})
+    cm = ProfiledCostModel({"num_layers": 2, "kv_bytes_per_token": 512, "samples": samples})
+    steps = [float(cm.step_time(BatchShape.of([(0, n)], []))) for n in range(16, 4096, 16)]
+    assert all(b >= a for a, b in zip(steps, steps[1:]))

@@ -3,7 +3,9 @@
 The GEMM operators (qkv_proj, o_proj, gate_up_proj, down_proj) depend on the number of tokens
 in the step only, but not linearly on a CPU (kernels change with the batch shape), so they are
 interpolated piecewise-linearly between the measured token counts and extrapolated along the
-last segment. The others get a small linear form in the features that drive their cost:
+last segment. The curve is made non-decreasing (a running maximum over the token counts): a
+noisy sample must not make more tokens cost less, since the schedulers' budget searches bisect
+on step time. The others get a small linear form in the features that drive their cost:
 
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
   other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
@@ -87,7 +89,7 @@ class ProfiledCostModel(CostModel):
         for op, t in times.items():
             if op in GEMM_OPS:
                 xs = np.unique(tokens)
-                self.curve[op] = (xs, np.array([t[tokens == x].mean() for x in xs]))
+                self.curve[op] = (xs, np.maximum.accumulate([t[tokens == x].mean() for x in xs]))
                 continue
             x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
             w = 1.0 / np.maximum(t, 1e-6)
