@@ -66,6 +66,13 @@ class BatchShape:
             decode_ctx=sum(decode_ctxs),
         )
 
+    @classmethod
+    def chunk(cls, history: int, n: int, decode_seqs: int = 0, decode_ctx: float = 0.0) -> "BatchShape":
+        """One prompt's n tokens after `history` computed (none when n is 0), beside decode_seqs
+        decodes whose contexts sum to decode_ctx: the step a budget search prices."""
+        return cls(prefill_tokens=n, prefill_seqs=1 if n else 0, prefill_attn=n * (history + (n + 1) / 2),
+                   prefill_kv=history + n if n else 0, decode_seqs=decode_seqs, decode_ctx=decode_ctx)
+
 
 @dataclass(slots=True)
 class StepPlan:

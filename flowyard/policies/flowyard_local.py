@@ -45,17 +45,15 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
-from flowyard.core.request import RequestState, Status
+from flowyard.core.request import Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
 from flowyard.policies.core import LocalCore
 from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, ProfileTable
 from flowyard.policies.order import QueueOrder, moore_hodgson
-from flowyard.policies.slack import TTFTPredictor
+from flowyard.policies.slack import TTFTPredictor, given_up
 
 INF = float("inf")
 
@@ -114,14 +112,12 @@ class FlowyardSelector(DynaServeSelector):
         cands += [w[2] for w in self._waiting]
         if not cands:
             return None
-        key = self.order.key
-        head = min(cands, key=lambda st: key(st, now, self.ttft_hat))
-        late, due = key(head, now, self.ttft_hat)[:2]
+        (late, due, *_), head = min(((self.order.key(st, now, self.ttft_hat), st) for st in cands),
+                                    key=lambda e: e[0])
         u, h, n = self.want(head), head.num_computed, len(ready)
 
         def step(b: int) -> float:
-            shape = BatchShape.of([(h, min(u, b))], [])
-            return float(self.profile.cost.step_time(replace(shape, decode_seqs=n, decode_ctx=ctx_sum)))
+            return float(self.profile.cost.step_time(BatchShape.chunk(h, min(u, b), n, ctx_sum)))
 
         b = self._budget
         if late or not u or now + -(-u // b) * step(b) <= due:
@@ -194,15 +190,6 @@ class FlowyardSelector(DynaServeSelector):
             self._waiting_tokens -= sum(e[3] for e in taken)
         return plan
 
-    def continue_prompt(self, st: RequestState, budget: int, plan: StepPlan, now: float) -> int:
-        """A started prompt's next chunk; without `prefill_preempts` it waits when its KV does
-        not fit and the step has other work (module docstring)."""
-        if not self.prefill_preempts and not plan.empty:
-            n = self._chunk(self.want(st), budget, plan)
-            if n and not self.core.kv.can_allocate(st.id, st.num_computed + n):
-                return 0
-        return super().continue_prompt(st, budget, plan, now)
-
     def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
         """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
         back alone in this order, rank with the late ones, so the rest all make their TTFT."""
@@ -210,8 +197,7 @@ class FlowyardSelector(DynaServeSelector):
         if not late:
             return queue
         for i in late:
-            k = queue[i][0]
-            queue[i] = ((1, -k[1], *k[2:]), *queue[i][1:])
+            queue[i] = (given_up(queue[i][0]), *queue[i][1:])
         queue.sort(key=lambda q: (q[0], q[1], q[2]))
         return queue
 

@@ -7,13 +7,12 @@ while the cluster runs. The parts:
 - **Regime controller (ours: `flowyard_control`, priced by `flowyard_regime`).** Every
   `period` it prices colocation and every split of Arrow's pools (1 to N-1 prefill
   instances) by the load scale each could sustain, from the recent arrival rate, mean prompt,
-  the decodes held in steady state
-  (Little's law on the mean output of finished requests, so a prefill-starved cluster does not
-  look decode-light) and the cost model: prefill tokens/s against arrivals, decodes within the
-  TPOT SLO (and the KV cache) against decodes. Loose TPOT keeps the cluster colocated outright;
-  decode-heavy loads at tight TPOT (short prompts, long outputs) stay colocated, where every
-  instance decodes; prompt-heavy ones split, with as many prefill instances as the balance of
-  the two bottlenecks asks. A change needs `patience` ticks in a row and a 5 % better score.
+  the decodes held in steady state (Little's law on the mean output of finished requests, so
+  a prefill-starved cluster does not look decode-light) and the cost model: prefill tokens/s
+  against arrivals, decodes within the TPOT SLO (and the KV cache) against decodes. Loose TPOT
+  keeps the cluster colocated outright; decode-heavy loads at tight TPOT (short prompts, long
+  outputs) stay colocated, where every instance decodes; prompt-heavy ones split, with as
+  many prefill instances as the balance of the two bottlenecks asks. A change needs `patience` ticks in a row and a 5 % better score.
 - **Disaggregated regime: Arrow's pools, sized by the controller.** Zero-wait flips between
   P and D (`arrow.ArrowRouter` over the shared pool model: a flip is bookkeeping on stateless
   instances) and Arrow's minimal-load dispatch (`pools="minload"`, Fig. 8). Arrow's own

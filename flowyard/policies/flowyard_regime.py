@@ -75,9 +75,7 @@ class RegimePricer:
 
     # -- cost-model look-ups (cached by bucket) --------------------------------------------------
     def _time(self, p: int, h: int, n: int, ctx: float) -> float:
-        shape = BatchShape(prefill_tokens=p, prefill_seqs=1 if p else 0, prefill_attn=p * (h + (p + 1) / 2),
-                           prefill_kv=h + p if p else 0, decode_seqs=n, decode_ctx=ctx * n)
-        return float(self.cost.step_time(shape))
+        return float(self.cost.step_time(BatchShape.chunk(h, p, n, ctx * n)))
 
     def budget(self, limit: float, n: int, ctx: float, history: int) -> int:
         """Largest prefill tokens (to 16) a step with n decodes at mean context ctx, on a prompt

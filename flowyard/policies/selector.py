@@ -136,6 +136,10 @@ class ChunkedSelector(PrefillSelector):
     then queued ones in queue order with head-of-line blocking, while the step's token budget,
     `max_num_seqs` and KV allow. `chunked=False` runs a prompt whole (alone if over budget)."""
 
+    # vLLM: a started prompt's chunk may recompute-preempt running requests to get its KV.
+    # False (flowyard): the chunk waits for KV unless the step would otherwise be empty.
+    prefill_preempts = True
+
     def __init__(self, token_budget: int = 2048, chunked: bool = True, order: QueueOrder | str = "fcfs",
                  ttft_hat: Callable[[RequestState], float] | None = None, chunk_cap: int | None = None) -> None:
         if token_budget < 1:
@@ -213,8 +217,11 @@ class ChunkedSelector(PrefillSelector):
 
     def continue_prompt(self, st: RequestState, budget: int, plan: StepPlan, now: float) -> int:
         """Give a started prompt its next chunk within `budget` (growing its KV); the tokens
-        taken, 0 if none."""
+        taken, 0 if none (`prefill_preempts`: whether growing may preempt others)."""
         n = self._chunk(self.want(st), budget, plan)
+        waits = not self.prefill_preempts and not plan.empty
+        if n and waits and not self.core.kv.can_allocate(st.id, st.num_computed + n):
+            return 0
         if n and self.core.grow(st, st.num_computed + n, plan, now):
             plan.prefills.append(PrefillSlice(st, st.num_computed, n))
             return n

@@ -48,7 +48,14 @@ def priority_key(kind: str, req: Request, now: float, ttft_hat: float) -> tuple:
         late = d - now - ttft_hat < 0
     else:  # d-edf
         late = d - now < 0
-    return (1, -d, req.arrival, req.id) if late else (0, d, req.arrival, req.id)
+    key = (0, d, req.arrival, req.id)
+    return given_up(key) if late else key
+
+
+def given_up(key: tuple) -> tuple:
+    """An on-time key (0, deadline, ...) as the slack orders rank a request they have given
+    up on: after every on-time one, the latest deadline first."""
+    return (1, -key[1], *key[2:])
 
 
 class TTFTPredictor:
