@@ -98,6 +98,7 @@ ABLATIONS: dict[str, dict] = {
     "no TTFT rescue": {"rescue": None},
     "no session affinity": {"affinity": None},
     "no prefill-ahead admission (parking)": {"park": 1.0},
+    "decode places first come, first served (not by banked TPOT slack)": {"places": "fcfs"},
 }
 
 
@@ -118,7 +119,7 @@ class Settings:
 FULL = Settings(duration=60.0, min_n=200, max_n=700, workloads=tuple(WORKLOADS), slos=tuple(SLO_SETTINGS), others=OTHERS,
                 ablation_rows=(("hybrid", "tight"), ("hybrid", "loose"), ("hybrid", "bylen"), ("azure-code", "tight"),
                                ("burstgpt", "tight"), ("sharegpt-sessions", "loose"), ("mooncake-conv", "tight"),
-                               ("mooncake-conv", "loose"), ("reasoning", "loose")),
+                               ("mooncake-conv", "loose"), ("reasoning", "loose"), ("reasoning", "bylen")),
                 tol=0.05)
 QUICK = Settings(duration=8.0, min_n=60, max_n=150, workloads=("azure-code", "hybrid"), slos=("tight", "bylen"),
                  others=("vllm", "distserve", "arrow"), ablation_rows=(("hybrid", "bylen"),), tol=0.3, extend=2,

@@ -105,7 +105,7 @@ class LocalCore(LocalScheduler):
         plan = StepPlan()
         self.last_preempted = []
         cap = self.selector.decode_cap(now)
-        for st in [r for r in self.running if not r.in_prefill]:
+        for st in self.selector.decode_order([r for r in self.running if not r.in_prefill], now):
             if st.status is Status.RUNNING and len(plan.decodes) < cap:
                 if self.grow(st, st.num_computed + 1, plan, now):
                     plan.decodes.append(st)

@@ -20,6 +20,13 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   ends, and the wait lands on TTFT; disaggregated policies already work this way (a prefilled
   request waits in its decode instance's migration queue), where the wait lands on the first
   inter-token gap, which a TPOT SLO averaged over a long output absorbs.
+- **Decode places by banked slack.** When more requests hold KV than there are decode places,
+  the places go to the decodes with the least banked TPOT slack (`places` "slack"; `banked`),
+  not to the earliest admitted. First come, first served, a parked request waits until a
+  whole output ends, a wait its first gap cannot absorb when its own output is short, while
+  the requests that hold the places run well inside their SLO; by slack the places rotate
+  and every request's mean gap grows a little. Reasoning shape (P219/D1467) at TTFT 0.5-6 s
+  by length and TPOT 100 ms: 22 -> 24 req/s (vLLM 20).
 - **A chunk waits for KV instead of preempting.** vLLM lets a prompt's next chunk free KV by
   recompute-preempting the most recently admitted running request; with long prompts that is
   often another half-prefilled prompt, whose work is thrown away and redone (Mooncake at loose
@@ -47,7 +54,7 @@ from __future__ import annotations
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
-from flowyard.core.request import Status
+from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
 from flowyard.policies.core import LocalCore
@@ -56,6 +63,16 @@ from flowyard.policies.order import QueueOrder, moore_hodgson
 from flowyard.policies.slack import TTFTPredictor, given_up
 
 INF = float("inf")
+PLACES = ("fcfs", "slack")
+
+
+def banked(st: RequestState, now: float) -> float:
+    """Seconds a decode may still wait and meet its TPOT SLO, a mean ((last - first) / (n - 1)):
+    with n tokens out since its first at f, the next must come by f + tpot x n (INF without one)."""
+    tpot = st.req.slo.tpot
+    if tpot is None or st.first_token_time is None:
+        return INF
+    return tpot * st.num_output - (now - st.first_token_time)
 
 
 class FlowyardSelector(DynaServeSelector):
@@ -63,7 +80,8 @@ class FlowyardSelector(DynaServeSelector):
 
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
                  headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
-                 shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None) -> None:
+                 shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None,
+                 places: str = "fcfs") -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
@@ -71,7 +89,9 @@ class FlowyardSelector(DynaServeSelector):
         self.prefill_preempts, self.rescue = prefill_preempts, rescue
         if park < 1:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
-        self.park = park
+        if places not in PLACES:
+            raise ValueError(f"decode places must be one of {PLACES}, got {places!r}")
+        self.park, self.places = park, places
         self.order = QueueOrder(order)
         self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
         self._tables: dict[float, ProfileTable] = {}
@@ -84,11 +104,19 @@ class FlowyardSelector(DynaServeSelector):
             t = self._tables[tpot] = ProfileTable(self.profile.cost, cfg)
         return t
 
+    def decode_order(self, decodes: list[RequestState], now: float) -> list[RequestState]:
+        """Who takes the max_num_seqs decode places when more decodes hold KV (parked, `park`):
+        the earliest admitted (fcfs), or the least banked TPOT slack first (`places` "slack"),
+        so a parked request takes the place of one that ran ahead of its SLO and the wait is
+        spread over all instead of landing on the parked requests' first gaps."""
+        if self.places == "fcfs" or len(decodes) <= self.core.max_num_seqs:
+            return decodes
+        return sorted(decodes, key=lambda r: banked(r, now))
+
     def decode_cap(self, now: float) -> float:
-        """The decodes that join this step: at most max_num_seqs, the earliest admitted first
-        (requests parked beyond that wait with their KV and first token, `park`)."""
+        """The decodes that join this step: at most max_num_seqs, in `decode_order`."""
         ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
-        ready = ready[:self.core.max_num_seqs]
+        ready = self.decode_order(ready, now)[:self.core.max_num_seqs]
         n = len(ready)
         tpots = [r.req.slo.tpot for r in ready if r.req.slo.tpot is not None]
         if not self.tbt_budget or not n or not tpots:
@@ -129,8 +157,7 @@ class FlowyardSelector(DynaServeSelector):
                 break
         else:
             return None  # not even full chunks save it
-        spent = sum(1 for r in ready if r.req.slo.tpot is not None and r.first_token_time is not None
-                    and r.req.slo.tpot * r.num_output - (now - r.first_token_time) < t)
+        spent = sum(1 for r in ready if banked(r, now) < t)
         return b if spent <= self.rescue * n else None
 
     def _limit(self, ready: list, tpot: float, now: float) -> float:
@@ -142,11 +169,7 @@ class FlowyardSelector(DynaServeSelector):
         long outputs amortise whole chunks; per-step TBT bounds would starve prefill)."""
         if not self.slack:
             return tpot
-        spare = INF
-        for r in ready:
-            t = r.req.slo.tpot
-            if t is not None and r.first_token_time is not None:
-                spare = min(spare, (t * r.num_output - (now - r.first_token_time)) / t)
+        spare = min((banked(r, now) / r.req.slo.tpot for r in ready if r.req.slo.tpot is not None), default=INF)
         rung = 1.0
         while rung < 64 and spare >= 2 * rung:
             rung *= 2
@@ -219,10 +242,10 @@ def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: Cost
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
                        max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
                        park: float = 1.0, shed: bool = False, prefill_preempts: bool = True,
-                       rescue: float | None = None) -> LocalCore:
+                       rescue: float | None = None, places: str = "fcfs") -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
     sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
-                           prefill_preempts=prefill_preempts, rescue=rescue)
+                           prefill_preempts=prefill_preempts, rescue=rescue, places=places)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

@@ -32,11 +32,12 @@ while the cluster runs. The parts:
   TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
   have banked (TPOT is a mean, so long outputs amortise whole prefill chunks as in vLLM).
   Prompts may be prefilled ahead of a free decode place (`park`): what Arrow's pools do
-  through their migration queues, on a colocated instance. Three rules of ours for overload
+  through their migration queues, on a colocated instance. Four rules of ours for overload
   and contention: in a burst S-EDF gives up the prompts Moore-Hodgson picks (`shed`: the most
   requests on time), a started prompt's chunk waits for KV instead of recompute-preempting
-  another (`prefill_preempts`), and a step may take a larger budget to save a prompt's TTFT
-  when few of its decodes pay for it (`rescue`).
+  another (`prefill_preempts`), a step may take a larger budget to save a prompt's TTFT
+  when few of its decodes pay for it (`rescue`), and when parked requests wait the decode
+  places go to the least banked TPOT slack (`places`), so the wait rotates over all.
 
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
@@ -56,6 +57,7 @@ from flowyard.policies.arrow_pools import PREFILL_SIDE
 from flowyard.policies.base import ClusterView
 from flowyard.policies.flowyard_control import RegimeControl
 from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
+from flowyard.policies.flowyard_local import PLACES
 from flowyard.policies.slack import deadline
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ class FlowyardConfig:
     ttft_share: float = 0.3  # colocated chunks of the mean prompt may take this share of its TTFT SLO
     max_num_seqs: int = 256
     park: float = 1.5  # prompts may start while park x max_num_seqs run; decode batches stay <= max_num_seqs
+    places: str = "slack"  # who takes the decode places when parked requests wait: least banked TPOT slack; "fcfs"
     elastic: bool = True  # the controller sizes the pools; False: half prefill, half decode
     shrink_backlog: float | None = 0.25  # no fewer prefill instances while their backlog is above this x TTFT
     min_arrivals: int = 8  # arrivals seen before the controller first prices the regimes
@@ -103,6 +106,8 @@ class FlowyardConfig:
             raise ValueError("chunk, patience and period must be positive")
         if self.park < 1:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {self.park}")
+        if self.places not in PLACES:
+            raise ValueError(f"flowyard places must be one of {PLACES}, got {self.places!r}")
 
 
 class FlowyardRouter(RegimeControl):
@@ -236,7 +241,7 @@ def flowyard_policy(name: str, o) -> "Policy":
     def local(instance, role, kv, batch):
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
                                   tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
-                                  prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue,
+                                  prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue, places=cfg.places,
                                   max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 

@@ -65,6 +65,10 @@ class PrefillSelector:
         """Asked before the core places decodes: at most this many decodes join the step."""
         return INF
 
+    def decode_order(self, decodes: list[RequestState], now: float) -> list[RequestState]:
+        """The order in which decodes take the step's `decode_cap` places (running order)."""
+        return decodes
+
     def select(self, plan: StepPlan, now: float) -> StepPlan:
         """Add prefill slices to `plan` (holding the step's decodes); return the plan to run."""
         raise NotImplementedError
