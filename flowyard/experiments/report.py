@@ -227,7 +227,8 @@ def curve_panel(ax, series: dict[str, Sequence[tuple[float, float]]], *, xlabel:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small")
+    if ax.get_legend_handles_labels()[0]:  # a run with nothing to plot draws no legend
+        ax.legend(fontsize="x-small")
 
 
 def log_x(ax, ticks: Sequence[float]) -> None:
@@ -253,8 +254,8 @@ def bar_panel(ax, groups: Sequence[str], series: dict[str, Sequence[float]], *, 
                         (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                         fontsize="x-small")
     ax.set_xticks(x, groups)
-    if log:
-        ax.set_yscale("log")
+    if log and any(math.isfinite(v) and v > 0 for vals in series.values() for v in vals):
+        ax.set_yscale("log")  # all zero (nothing reproduced): a log axis has nothing to show
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize="medium")
     ax.grid(alpha=0.3, axis="y")
