@@ -23,7 +23,8 @@ import time
 from flowyard.core.metrics import summarize
 from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
-from flowyard.engine.llm_engine import DTYPES, EngineConfig, LLMEngine, default_token_budget
+from flowyard.engine.engine_config import DTYPES, EngineConfig, default_token_budget
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import PolicyOptions, build_policy
@@ -36,7 +37,8 @@ from flowyard.workloads import clip, load_trace, retime
 # several share this machine's cores and memory bus.
 NEIGHBOUR = """
 import torch; torch.set_num_threads(1)
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
 e = LLMEngine.from_path(None, EngineConfig(kv_cache_memory_mb=128))
 while True:

@@ -24,7 +24,8 @@ from collections import defaultdict
 
 import torch
 
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
 
 PARTS = ("schedule", "prepare", "model", "sample", "detok", "update", "outputs")

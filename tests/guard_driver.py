@@ -20,7 +20,7 @@ from flowyard.core.plan import BatchShape
 from flowyard.core.request import Request
 from flowyard.costmodel.base import LAYER_OPS
 from flowyard.costmodel.profiled import ProfiledCostModel
-from flowyard.engine.llm_engine import EngineConfig
+from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.runtime.cluster import LocalCluster

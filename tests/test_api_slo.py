@@ -13,7 +13,7 @@ from helpers_server import serving
 from flowyard.cluster.core import DecisionLog
 from flowyard.core.request import SLO
 from flowyard.engine.async_engine import AsyncLLMEngine
-from flowyard.engine.llm_engine import EngineConfig
+from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.runtime.cluster import LocalCluster

@@ -192,7 +192,8 @@ def test_arrow_beats_distserve_on_a_bursty_azure_code_slice():
 def test_local_cluster_flips_and_moves_decodes_with_identical_tokens(tmp_path):
     pytest.importorskip("transformers")
     from helpers_models import make_tiny_model
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
     from flowyard.engine.loader import load_checkpoint
     from flowyard.engine.model import CausalLM
     from flowyard.engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 
 from helpers_models import load_model, make_tiny_model
 from helpers_server import serving
-from flowyard.engine.llm_engine import EngineConfig
+from flowyard.engine.engine_config import EngineConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

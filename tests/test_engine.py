@@ -9,7 +9,8 @@ import torch
 from helpers_close import check_greedy_close, hf_greedy_logprobs
 from helpers_models import make_tiny_model
 from flowyard.engine.embedded import embedded_model_path
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams

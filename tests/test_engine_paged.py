@@ -9,7 +9,8 @@ import torch
 
 from flowyard.engine import paged_kernel
 from flowyard.engine.attention import AttentionBatch, decode_attention
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.paged_kernel import PagedKernel, paged_decode, paged_decode_reference
 from flowyard.engine.sampling import SamplingParams
 

@@ -185,7 +185,8 @@ def test_large_f32_gemms_round_like_bf16_and_leave_small_ones_bitwise():
 
 def test_engine_uses_large_f32_gemms_except_in_exact_mode(monkeypatch):
     from flowyard.engine import model as model_mod
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("FLOWYARD_LARGE_GEMM", "f32")
     model_mod.large_gemm_f32.cache_clear()
@@ -209,7 +210,8 @@ def test_engine_uses_small_gemv_except_in_exact_mode(monkeypatch):
     never in exact mode (its point is oneDNN's bits) nor in float32; FLOWYARD_GEMV_KERNEL=0
     turns it off."""
     from flowyard.engine import gemv_kernel
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
 
     fast = LLMEngine.from_path(None, EngineConfig(dtype="bfloat16"))
     assert fast.model.linear.small_gemv is gemv_kernel.gemv_bf16.available()
@@ -227,7 +229,8 @@ def test_engine_uses_small_gemv_except_in_exact_mode(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smol_bf16():
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
 
     # No prefix caching: a cache hit prefills the rest of a prompt against gathered history,
     # which rounds differently from prefilling it whole (as the first run did).
@@ -267,7 +270,8 @@ def test_exact_bf16_small_batches_are_bitwise_each_sequence_alone(smol_bf16):
 
 def test_token_budget_defaults_by_device_and_rejects_nonsense():
     """A CPU step of 512 tokens prefills about as fast as a bigger one and ends sooner."""
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine, default_token_budget
+    from flowyard.engine.engine_config import EngineConfig, default_token_budget
+    from flowyard.engine.llm_engine import LLMEngine
 
     assert default_token_budget("cpu") == 512 and default_token_budget("cuda") == 2048
     e = LLMEngine.from_path(None, EngineConfig())

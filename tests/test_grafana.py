@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 
 from helpers_models import tiny_model
 from flowyard.engine.async_engine import AsyncLLMEngine
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.server.app import build_app
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "flowyard.json"

@@ -10,7 +10,8 @@ import torch
 
 from flowyard.engine.attention import AttentionBatch, decode_attention
 from flowyard.engine.embedded import embedded_model_path
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.paged_kernel import paged_decode, paged_decode_reference

@@ -13,7 +13,7 @@ import pytest
 
 from helpers_models import make_tiny_model
 from flowyard.engine.async_engine import AsyncLLMEngine
-from flowyard.engine.llm_engine import EngineConfig
+from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.policies.registry import PolicyOptions, build_policy

@@ -68,7 +68,8 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("offset", [-20, 0, 5])  # inside the prompt, at its end, inside the output
 def test_real_micro_request_tokens_equal_the_unsplit_request(tiny, offset):
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
     from flowyard.engine.sampling import SamplingParams
     from flowyard.runtime.cluster import LocalCluster
 

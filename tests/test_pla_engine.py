@@ -8,7 +8,8 @@ import pytest
 from helpers_models import load_model, make_tiny_model
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.embedded import embedded_model_path
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.awd import AWDConfig
 from flowyard.policies.pla import PLAConfig

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flowyard.engine.embedded import embedded_model_path
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.quant import W8A8_MIN_ROWS, QuantizedLinear, QuantWeight, quantize_model, w8a8_linear

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from helpers_models import make_tiny_model
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams

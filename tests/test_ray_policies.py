@@ -10,7 +10,8 @@ from helpers_models import load_model, make_tiny_model
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import SLO
 from flowyard.costmodel import make_cost_model
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers_models import tiny_model
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.base import Role
 from flowyard.policies.registry import PolicyOptions, build_policy
@@ -138,7 +139,7 @@ def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp
     from helpers_models import load_model, make_tiny_model
     from flowyard.cluster.core import DecisionLog
     from flowyard.costmodel import make_cost_model
-    from flowyard.engine.llm_engine import EngineConfig
+    from flowyard.engine.engine_config import EngineConfig
     from flowyard.engine.sampling import SamplingParams
     from flowyard.policies.pla import PLAConfig
     from flowyard.policies.registry import PolicyOptions, build_policy

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from flowyard.engine.async_engine import AsyncLLMEngine
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.server.app import build_app
 
 openai = pytest.importorskip("openai")

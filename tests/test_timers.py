@@ -80,7 +80,7 @@ def test_real_engine_sleeps_until_the_window_closes_instead_of_spinning(tmp_path
     pytest.importorskip("transformers")
     from helpers_models import make_tiny_model
     from flowyard.engine.async_engine import AsyncLLMEngine
-    from flowyard.engine.llm_engine import EngineConfig
+    from flowyard.engine.engine_config import EngineConfig
     from flowyard.engine.loader import load_checkpoint
     from flowyard.engine.model import CausalLM
     from flowyard.engine.sampling import SamplingParams
@@ -144,7 +144,8 @@ def test_simulator_moves_decodes_a_stateless_policy_routes_elsewhere():
 def test_local_cluster_moves_decodes_with_identical_tokens(tmp_path):
     pytest.importorskip("transformers")
     from helpers_models import make_tiny_model
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
     from flowyard.engine.loader import load_checkpoint
     from flowyard.engine.model import CausalLM
     from flowyard.engine.sampling import SamplingParams

@@ -10,7 +10,8 @@ import pytest
 from conftest import FixedLink, LinearCost
 from helpers_models import make_tiny_model, tiny_model
 from flowyard.core.request import Request
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams

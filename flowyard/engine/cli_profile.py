@@ -25,7 +25,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.llm_engine import LLMEngine
     from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile, save_profile
 
     if args.repeats < 1:

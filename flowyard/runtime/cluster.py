@@ -27,7 +27,8 @@ from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.kvcache import cdiv
 from flowyard.core.request import SLO, RequestState
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine, TrackedRequest
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
 from flowyard.engine.model import CausalLM
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams

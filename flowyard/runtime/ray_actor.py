@@ -18,7 +18,8 @@ from typing import Any
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
-from flowyard.engine.llm_engine import EngineConfig, LLMEngine, TrackedRequest
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, StepResult
 

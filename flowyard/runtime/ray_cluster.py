@@ -22,7 +22,8 @@ from typing import Any
 from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import SLO, RequestState
-from flowyard.engine.llm_engine import EngineConfig, new_request
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import new_request
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, Role

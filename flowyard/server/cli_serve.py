@@ -64,7 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flowyard.engine.async_engine import AsyncLLMEngine
-    from flowyard.engine.llm_engine import EngineConfig, LLMEngine, resolve_dtype
+    from flowyard.engine.engine_config import EngineConfig, resolve_dtype
+    from flowyard.engine.llm_engine import LLMEngine
     from flowyard.server.app import build_app
 
     if args.instances < 1:
