@@ -432,7 +432,7 @@ def test_slo_headers_merge_with_body_and_priority_reaches_engine(client, engine)
 
 def test_priority_in_prepared_routing():
     from flowyard.server.protocol import CompletionRequest
-    from flowyard.server.serving import prepare_completion
+    from flowyard.server.prepare import prepare_completion
 
     eng = FakeEngine()
     hints = [prepare_completion(CompletionRequest(prompt="hi", **kw), eng, "fake-model", 16).routing

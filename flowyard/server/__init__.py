@@ -6,6 +6,6 @@ uvicorn. See `app.py` for the routes and `metrics.py` for the Prometheus metric 
 
 from flowyard.server.app import build_app
 from flowyard.server.metrics import ServerMetrics
-from flowyard.server.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS
+from flowyard.server.prepare import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS
 
 __all__ = ["build_app", "ServerMetrics", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_BODY_BYTES"]

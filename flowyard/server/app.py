@@ -28,9 +28,9 @@ from flowyard.server.tokenize import tokenize_router
 from flowyard.server.errors import APIError, install_error_handlers, server_error
 from flowyard.server.metrics import ServerMetrics
 from flowyard.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from flowyard.server.serving import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, Generation, Prepared,
-                                     prepare_chat, prepare_completion, read_json, until_disconnect,
-                                     with_slo_headers)
+from flowyard.server.prepare import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, Prepared, prepare_chat,
+                                     prepare_completion, read_json, with_slo_headers)
+from flowyard.server.serving import Generation, until_disconnect
 from flowyard.server.streaming import SSEResponse, collect, full_response, sse_events
 
 log = logging.getLogger("flowyard.server")

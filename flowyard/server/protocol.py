@@ -82,7 +82,7 @@ class _SamplingRequest(_Body):
     # vLLM's extension: lower runs earlier under `serve --scheduling-policy priority`
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     task: str | None = Field(None, min_length=1, max_length=64)
-    # known but unsupported unless left at their neutral value (checked in serving.py)
+    # known but unsupported unless left at their neutral value (checked in prepare.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

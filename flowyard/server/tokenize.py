@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from flowyard.server.errors import APIError
 from flowyard.server.protocol import ChatMessage, _Body
-from flowyard.server.serving import _check_ids, check_model, read_json
+from flowyard.server.prepare import check_ids, check_model, read_json
 
 
 class TokenizeRequest(_Body):
@@ -58,7 +58,7 @@ def tokenize_router() -> APIRouter:
         check_model(req.model, st.served_model_name)
         if any(t < 0 for t in req.tokens):
             raise APIError(400, "token ids must be non-negative", param="tokens")
-        _check_ids(req.tokens, st.engine, "tokens")
+        check_ids(req.tokens, st.engine, "tokens")
         return {"prompt": st.engine.tokenizer.decode(req.tokens)}
 
     return router
