@@ -177,7 +177,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_goodput(args: argparse.Namespace) -> int:
     from flowyard.bench.report import format_goodput_table, write_goodput_json
-    from flowyard.core.metrics import goodput_search
+    from flowyard.core.goodput import goodput_search
     from flowyard.sim.run import build_cost_model, load_workload, simulate
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from flowyard.bench.plot import plot_cdf, plot_goodput
 from flowyard.bench.report import (format_goodput_table, format_table, write_goodput_json,
                                    write_json)
+from flowyard.core import goodput as G
 from flowyard.core import metrics as M
 from flowyard.core.request import SLO, Request, RequestState, Status
 
@@ -202,7 +203,7 @@ def step(threshold: float, calls: list | None = None):
 @pytest.mark.parametrize("threshold", [1.3, 4.0, 7.77, 9.99])
 def test_goodput_search_step(threshold):
     calls: list = []
-    r = M.goodput_search(step(threshold, calls), lo=1.0, hi=10.0, tol=0.01)
+    r = G.goodput_search(step(threshold, calls), lo=1.0, hi=10.0, tol=0.01)
     assert r.goodput <= threshold
     assert threshold - r.goodput <= 0.01 * threshold * 1.02 + 1e-12
     assert [c[0] for c in r.curve] == sorted(set(calls)) and len(calls) == len(set(calls))
@@ -211,33 +212,33 @@ def test_goodput_search_step(threshold):
 
 
 def test_goodput_never_meets():
-    r = M.goodput_search(lambda rate: 0.2, lo=1.0, hi=10.0)
+    r = G.goodput_search(lambda rate: 0.2, lo=1.0, hi=10.0)
     assert r.goodput == 0.0 and r.never_met and r.curve == [(1.0, 0.2)]
 
 
 def test_goodput_always_meets_expands_to_cap():
-    r = M.goodput_search(lambda rate: 1.0, lo=1.0, hi=10.0, max_hi=50.0)
+    r = G.goodput_search(lambda rate: 1.0, lo=1.0, hi=10.0, max_hi=50.0)
     assert r.goodput == 50.0 and r.capped and "cap" in r.note
     assert [x for x, _ in r.curve] == [1.0, 10.0, 20.0, 40.0, 50.0]
 
 
 def test_goodput_expands_then_bisects():
-    r = M.goodput_search(step(25.0), lo=1.0, hi=10.0, tol=0.001)
+    r = G.goodput_search(step(25.0), lo=1.0, hi=10.0, tol=0.001)
     assert 25.0 * 0.999 <= r.goodput <= 25.0 and not r.capped
 
 
 def test_goodput_max_evals_and_bad_args():
-    r = M.goodput_search(step(3.3), lo=1.0, hi=10.0, tol=1e-9, max_evals=6)
+    r = G.goodput_search(step(3.3), lo=1.0, hi=10.0, tol=1e-9, max_evals=6)
     assert r.evals == 6 and r.goodput <= 3.3
     with pytest.raises(ValueError):
-        M.goodput_search(step(1), lo=5.0, hi=1.0)
+        G.goodput_search(step(1), lo=5.0, hi=1.0)
 
 
 def test_serving_capacity():
-    r = M.serving_capacity(lambda rate: 0.01 * rate, 0.1, lo=1.0, hi=20.0, tol=0.001)
+    r = G.serving_capacity(lambda rate: 0.01 * rate, 0.1, lo=1.0, hi=20.0, tol=0.001)
     assert 10.0 * 0.999 <= r.goodput <= 10.0
     assert all(v == pytest.approx(0.01 * x) for x, v in r.curve)
-    assert M.serving_capacity(lambda rate: math.nan, 0.1, lo=1.0, hi=2.0).never_met
+    assert G.serving_capacity(lambda rate: math.nan, 0.1, lo=1.0, hi=2.0).never_met
 
 
 # ---------------------------------------------------------------- reports and plots
@@ -283,9 +284,9 @@ def test_write_errors_name_path(tmp_path):
 
 
 def _results():
-    return {"vllm": M.goodput_search(step(3.0), lo=1.0, hi=8.0),
-            "pla": M.goodput_search(step(5.0), lo=1.0, hi=8.0),
-            "bad": M.goodput_search(lambda r: 0.0, lo=1.0, hi=8.0)}
+    return {"vllm": G.goodput_search(step(3.0), lo=1.0, hi=8.0),
+            "pla": G.goodput_search(step(5.0), lo=1.0, hi=8.0),
+            "bad": G.goodput_search(lambda r: 0.0, lo=1.0, hi=8.0)}
 
 
 def test_goodput_table_and_json(tmp_path):

@@ -11,7 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from flowyard.core.metrics import GoodputResult, ttft_values
+from flowyard.core.goodput import GoodputResult
+from flowyard.core.metrics import ttft_values
 from flowyard.core.request import RequestState
 
 

@@ -15,7 +15,8 @@ import sys
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
-from flowyard.core.metrics import GoodputResult, Summary
+from flowyard.core.goodput import GoodputResult
+from flowyard.core.metrics import Summary
 
 WIDTH = 50
 LABEL = 40
