@@ -144,15 +144,21 @@ def test_ttft_rescue_spends_banked_slack_of_few_decodes_to_save_a_prompt(cost):
     assert _step_budget(cost, 0, 0.1) == bounded  # all ten would: no rescue
 
 
-def _tpots(cost, places: str) -> list[float]:
+def _parked(cost, places: str, max_repeats: int = 1):
     """Six requests with equal outputs on one instance with four decode places; two are parked
-    after their first token (park 1.5). Each request's TPOT, (last - first) / (n - 1)."""
+    after their first token (park 1.5)."""
     core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(4096, 16), cost, max_num_seqs=4, park=1.5,
-                              max_repeats=1, places=places)
+                              max_repeats=max_repeats, places=places)
     states = [RequestState(Request(id=k, arrival=0.0, prompt_len=64, output_len=100, slo=SLO(ttft=10.0, tpot=0.04)))
               for k in range(6)]
     for s in states:
         core.add_request(s, 0.0)
+    return core, states
+
+
+def _tpots(cost, places: str) -> list[float]:
+    """Each request's TPOT, (last - first) / (n - 1), served step by step."""
+    core, states = _parked(cost, places)
     now = 0.0
     while core.has_work():
         plan = core.schedule(now)
@@ -171,3 +177,14 @@ def test_parked_requests_share_the_decode_places_by_banked_slack(cost):
     fcfs, slack = _tpots(cost, "fcfs"), _tpots(cost, "slack")
     assert sum(t <= 0.04 for t in fcfs) == 4
     assert all(t <= 0.04 for t in slack)
+
+
+@pytest.mark.parametrize("places", ["fcfs", "slack"])
+def test_rotating_places_plan_no_multi_step_runs(cost, places):
+    """A decode run fixes its batch for many steps; while the places rotate there is none."""
+    core, _ = _parked(cost, places, max_repeats=64)
+    plan = core.schedule(0.0)  # the six prompts (four decode places, two parked)
+    core.update_from_output(plan, StepOutput(end_times=np.array([float(cost.step_time(plan.shape()))])))
+    plan = core.schedule(1.0)
+    assert len(plan.decodes) == 4 and not plan.prefills
+    assert (plan.max_repeats > 1) == (places == "fcfs")

@@ -225,9 +225,15 @@ class FlowyardSelector(DynaServeSelector):
         return queue
 
     def allows_run(self) -> bool:
-        """No multi-step decode run while prompts wait: S-EDF's ranking and the KV admission
-        rule are redone at every step, so a run would not be the steps it stands for."""
-        return not self._waiting
+        """No multi-step decode run while prompts wait or while the decode places rotate
+        (more decodes than places, `places` "slack"): S-EDF's ranking, the KV admission rule
+        and the places are redone at every step, so a run would not be the steps it stands for."""
+        if self._waiting:
+            return False
+        if self.places == "fcfs":
+            return True
+        decodes = sum(1 for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill)
+        return decodes <= self.core.max_num_seqs
 
     def executed(self, plan, out: StepOutput) -> None:
         """Record the step in every profile table (they differ only in the SLO they answer for)."""
