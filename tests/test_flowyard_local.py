@@ -188,3 +188,25 @@ def test_rotating_places_plan_no_multi_step_runs(cost, places):
     plan = core.schedule(1.0)
     assert len(plan.decodes) == 4 and not plan.prefills
     assert (plan.max_repeats > 1) == (places == "fcfs")
+
+
+def test_a_request_without_an_slo_still_gets_a_decode_place(cost):
+    """Four requests with a 40 ms TPOT SLO hold the four places; a fifth without any SLO is
+    parked. Ranked as if it had the default TPOT it joins the rotation within a few steps
+    instead of waiting for a whole output (INF banked slack would always rank it last)."""
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(4096, 16), cost, max_num_seqs=4, park=1.5,
+                              max_repeats=1, places="slack")
+    slo = SLO(ttft=10.0, tpot=0.04)
+    states = [RequestState(Request(id=k, arrival=0.0, prompt_len=64, output_len=100, slo=slo)) for k in range(4)]
+    states.append(RequestState(Request(id=4, arrival=0.0, prompt_len=64, output_len=100)))
+    for s in states:
+        core.add_request(s, 0.0)
+    now = 0.0
+    while core.has_work():
+        plan = core.schedule(now)
+        now += float(cost.step_time(plan.shape()))
+        core.update_from_output(plan, StepOutput(end_times=np.array([now])))
+    free = states[4]
+    first_gap = free.all_token_times()[1] - free.first_token_time
+    assert first_gap < 0.2  # a 100-token output of the others takes ~2 s
+    assert all((s.finish_time - s.first_token_time) / 99 <= 0.04 for s in states[:4])

@@ -66,10 +66,11 @@ INF = float("inf")
 PLACES = ("fcfs", "slack")
 
 
-def banked(st: RequestState, now: float) -> float:
+def banked(st: RequestState, now: float, default_tpot: float | None = None) -> float:
     """Seconds a decode may still wait and meet its TPOT SLO, a mean ((last - first) / (n - 1)):
-    with n tokens out since its first at f, the next must come by f + tpot x n (INF without one)."""
-    tpot = st.req.slo.tpot
+    with n tokens out since its first at f, the next must come by f + tpot x n (INF without an
+    SLO, or default_tpot standing in for it)."""
+    tpot = st.req.slo.tpot if st.req.slo.tpot is not None else default_tpot
     if tpot is None or st.first_token_time is None:
         return INF
     return tpot * st.num_output - (now - st.first_token_time)
@@ -81,7 +82,7 @@ class FlowyardSelector(DynaServeSelector):
     def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
                  headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
                  shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None,
-                 places: str = "fcfs") -> None:
+                 places: str = "fcfs", default_tpot: float = 0.1) -> None:
         local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
                             max_prefill=chunk)
         super().__init__(cost, local)
@@ -91,7 +92,7 @@ class FlowyardSelector(DynaServeSelector):
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
         if places not in PLACES:
             raise ValueError(f"decode places must be one of {PLACES}, got {places!r}")
-        self.park, self.places = park, places
+        self.park, self.places, self.default_tpot = park, places, default_tpot
         self.order = QueueOrder(order)
         self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
         self._tables: dict[float, ProfileTable] = {}
@@ -108,10 +109,11 @@ class FlowyardSelector(DynaServeSelector):
         """Who takes the max_num_seqs decode places when more decodes hold KV (parked, `park`):
         the earliest admitted (fcfs), or the least banked TPOT slack first (`places` "slack"),
         so a parked request takes the place of one that ran ahead of its SLO and the wait is
-        spread over all instead of landing on the parked requests' first gaps."""
+        spread over all instead of landing on the parked requests' first gaps. A request
+        without a TPOT SLO is ranked as if it had `default_tpot`, so it is not starved."""
         if self.places == "fcfs" or len(decodes) <= self.core.max_num_seqs:
             return decodes
-        return sorted(decodes, key=lambda r: banked(r, now))
+        return sorted(decodes, key=lambda r: banked(r, now, self.default_tpot))
 
     def decode_cap(self, now: float) -> float:
         """The decodes that join this step: at most max_num_seqs, in `decode_order`."""
@@ -248,10 +250,10 @@ def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: Cost
                        order: str = "s-edf", tbt_budget: bool = True, max_num_seqs: int = 256,
                        max_model_len: int | None = None, max_repeats: int = 512, slack: bool = True,
                        park: float = 1.0, shed: bool = False, prefill_preempts: bool = True,
-                       rescue: float | None = None, places: str = "fcfs") -> LocalCore:
+                       rescue: float | None = None, places: str = "fcfs", default_tpot: float = 0.1) -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
     sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
-                           prefill_preempts=prefill_preempts, rescue=rescue, places=places)
+                           prefill_preempts=prefill_preempts, rescue=rescue, places=places, default_tpot=default_tpot)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

@@ -86,7 +86,7 @@ class FlowyardConfig:
     period: float = 0.5  # controller period (s)
     flip_cooldown: float = 1.0  # Arrow's monitor leaves instances flipped this recently (s)
     patience: int = 2  # ticks in a row before the regime switches
-    ttft_slo: float = 3.0  # thresholds for requests without SLOs (Arrow's defaults)
+    ttft_slo: float = 3.0  # what requests without SLOs are taken to have (Arrow's defaults)
     tpot_slo: float = 0.1
     headroom: float = 0.9  # share of the TPOT SLO a colocated step may use
     decode_headroom: float = 0.85  # share of it a decode instance's steps may use (KV hand-off gaps, bursts)
@@ -242,6 +242,7 @@ def flowyard_policy(name: str, o) -> "Policy":
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
                                   tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
                                   prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue, places=cfg.places,
+                                  default_tpot=cfg.tpot_slo,
                                   max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
