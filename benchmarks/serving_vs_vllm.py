@@ -444,6 +444,12 @@ def _on_sigterm(signum, frame):  # let `finally` blocks stop the servers
     raise KeyboardInterrupt
 
 
+def without_tokenize(result_dir: Path) -> list[str]:
+    """This run's client logs in which vLLM's client found no /tokenize endpoint (it then skips
+    aligning its random prompts to the server's token count)."""
+    return sorted(p.name for p in result_dir.glob("*-client.log") if "/tokenize unavailable" in p.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", "benchmarks/serving_vs_vllm.py", *(sys.argv[1:] if argv is None else argv)])
@@ -540,9 +546,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("vLLM's OpenMP threads are bound to every usable core (VLLM_CPU_OMP_THREADS_BIND); its "
                      "default ('auto') reserves one core per rank for its scheduler process, which here would "
                      "leave the model one thread while flowyard uses torch's default (all cores).")
-    notes.append("flowyard has no /tokenize endpoint, so the client skips its prompt alignment against "
-                 "flowyard (it prints 'WARNING: /tokenize unavailable'); the server-counted input tokens "
-                 "in the table show whether both servers saw prompts of the same length.")
+    no_tokenize = without_tokenize(result_dir)
+    if no_tokenize:
+        notes.append(f"The client found no /tokenize endpoint ({', '.join(no_tokenize)}: 'WARNING: /tokenize "
+                     "unavailable'), so it skipped its prompt alignment there; the server-counted input tokens "
+                     "in the table show whether every server saw prompts of the same length.")
     notes.append("The client is started through a small launcher (`CLI_LAUNCHER` in the script) because "
                  "vllm-cpu's `vllm` console script fails before parsing its arguments: its cli/main.py asks "
                  "importlib.metadata for the version of a distribution named 'vllm', which vllm-cpu is not; "

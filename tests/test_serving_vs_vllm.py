@@ -192,3 +192,10 @@ def test_slo_headers_carry_the_goodput_slos(bench, tmp_path):
     assert a[-3:] == ["--header", "x-slo-ttft-ms=500", "x-slo-tpot-ms=100"]  # last: nargs="*"
     assert "--header" not in bench.client_args("http://127.0.0.1:9", Path("/m"), 2.0, 10, seed=0,
                                                result_dir=tmp_path, result_file="x.json")
+
+
+def test_the_tokenize_note_comes_from_the_client_logs(bench, tmp_path):
+    (tmp_path / "vllm-rate1-client.log").write_text("Starting initial single prompt test run...\n")
+    assert bench.without_tokenize(tmp_path) == []
+    (tmp_path / "other-rate1-client.log").write_text("WARNING: /tokenize unavailable, skipping\n")
+    assert bench.without_tokenize(tmp_path) == ["other-rate1-client.log"]
