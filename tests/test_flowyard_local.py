@@ -130,7 +130,7 @@ def _step_budget(cost, banked: int, rescue: float | None) -> int:
         core.running.append(st)
     prompt = RequestState(Request(id=99, arrival=now, prompt_len=4096, output_len=10, slo=SLO(ttft=0.5, tpot=0.025)))
     core.add_request(prompt, now)
-    core.selector.decode_cap(now)
+    core.schedule(now)
     return core.selector._budget
 
 

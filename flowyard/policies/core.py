@@ -104,9 +104,11 @@ class LocalCore(LocalScheduler):
     def schedule(self, now: float) -> StepPlan | None:
         plan = StepPlan()
         self.last_preempted = []
-        cap = self.selector.decode_cap(now)
-        for st in self.selector.decode_order([r for r in self.running if not r.in_prefill], now):
-            if st.status is Status.RUNNING and len(plan.decodes) < cap:
+        decodes = self.selector.decode_order([r for r in self.running if r.status is Status.RUNNING
+                                              and not r.in_prefill], now)
+        cap = self.selector.decode_cap(now, decodes)
+        for st in decodes:
+            if st.status is Status.RUNNING and len(plan.decodes) < cap:  # a grow may preempt one
                 if self.grow(st, st.num_computed + 1, plan, now):
                     plan.decodes.append(st)
         plan = self.selector.select(plan, now)

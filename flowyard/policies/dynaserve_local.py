@@ -23,7 +23,7 @@ import numpy as np
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
-from flowyard.core.request import Status
+from flowyard.core.request import RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.base import Role
 from flowyard.policies.core import LocalCore
@@ -189,10 +189,9 @@ class DynaServeSelector(ChunkedSelector):
         self._budget = 0
         self._composed: tuple[int, float, int, float, float] | None = None
 
-    def decode_cap(self, now: float) -> float:
-        ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
-        n = len(ready)
-        ctx = sum(r.num_computed + 1 for r in ready) / n if n else 0.0
+    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
+        n = len(decodes)
+        ctx = sum(r.num_computed + 1 for r in decodes) / n if n else 0.0
         history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
         self._budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
         self.token_budget = n + self._budget

@@ -115,10 +115,9 @@ class FlowyardSelector(DynaServeSelector):
             return decodes
         return sorted(decodes, key=lambda r: banked(r, now, self.default_tpot))
 
-    def decode_cap(self, now: float) -> float:
-        """The decodes that join this step: at most max_num_seqs, in `decode_order`."""
-        ready = [r for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill]
-        ready = self.decode_order(ready, now)[:self.core.max_num_seqs]
+    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
+        """The decodes that join this step: the first max_num_seqs in `decode_order`."""
+        ready = decodes[:self.core.max_num_seqs]
         n = len(ready)
         tpots = [r.req.slo.tpot for r in ready if r.req.slo.tpot is not None]
         if not self.tbt_budget or not n or not tpots:

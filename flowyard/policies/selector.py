@@ -61,13 +61,14 @@ class PrefillSelector:
         raise NotImplementedError
 
     # -- scheduling --------------------------------------------------------------------------
-    def decode_cap(self, now: float) -> float:
-        """Asked before the core places decodes: at most this many decodes join the step."""
-        return INF
-
     def decode_order(self, decodes: list[RequestState], now: float) -> list[RequestState]:
-        """The order in which decodes take the step's `decode_cap` places (running order)."""
+        """The order in which the running decodes take the step's places (running order)."""
         return decodes
+
+    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
+        """Asked before the core places decodes (`decodes`: the running ones, in
+        `decode_order`): at most this many of them, from the front, join the step."""
+        return INF
 
     def select(self, plan: StepPlan, now: float) -> StepPlan:
         """Add prefill slices to `plan` (holding the step's decodes); return the plan to run."""
@@ -198,7 +199,7 @@ class ChunkedSelector(PrefillSelector):
         return [w[2] for w in self._waiting]
 
     # -- scheduling --------------------------------------------------------------------------
-    def decode_cap(self, now: float) -> float:
+    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
         return self.token_budget
 
     def select(self, plan: StepPlan, now: float) -> StepPlan:
