@@ -84,6 +84,47 @@ def test_a_burst_keeps_the_short_prompts_on_time(cost):
     assert shed == [False] + [True] * 8
 
 
+
+def _burst_beside_decodes(cost, shed_rate: str) -> list[bool]:
+    """One instance decoding 128 requests at a 100 ms TPOT when four prompts arrive together;
+    whether each made its TTFT."""
+    core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(8192, 16), cost, max_repeats=1, shed=True,
+                              shed_rate=shed_rate)
+    decodes = [RequestState(Request(id=100 + k, arrival=0.0, prompt_len=16, output_len=100_000,
+                                    slo=SLO(ttft=100.0, tpot=0.1))) for k in range(128)]
+    burst = [(4096, 0.99), (1024, 0.29), (2048, 0.25), (1024, 0.44)]  # (prompt, TTFT SLO s)
+    now = 0.0
+
+    def serve(states: list[RequestState]) -> None:
+        nonlocal now
+        for s in states:
+            core.add_request(s, now)
+        while any(s.first_token_time is None for s in states):
+            plan = core.schedule(now)
+            now += float(cost.step_time(plan.shape()))
+            core.update_from_output(plan, StepOutput(end_times=np.array([now])))
+
+    serve(decodes)
+    states = [RequestState(Request(id=k, arrival=now, prompt_len=n, output_len=2, slo=SLO(ttft=due, tpot=1.0)))
+              for k, (n, due) in enumerate(burst)]
+    serve(states)
+    return [s.first_token_time - s.req.arrival <= s.req.slo.ttft for s in states]
+
+
+def test_shedding_times_prompts_at_the_rate_they_get_beside_the_decodes(cost):
+    """Alone, the four prompts fit one after another in deadline order, so Moore-Hodgson keeps
+    them all; beside 128 decodes a prompt takes ~1.7x as long as alone, so the 2048-token prompt
+    (due first) cannot make 250 ms, and serving it first makes both 1024s late too.
+    Timed at the shared rate it is given up at once and three of the four make it."""
+    assert sum(cost.prefill_time(n) for n in (2048, 1024, 1024)) < 0.44
+    assert _burst_beside_decodes(cost, "alone") == [True, False, False, False]
+    assert _burst_beside_decodes(cost, "shared") == [True, True, False, True]
+
+
+def test_shed_rate_is_checked(cost):
+    with pytest.raises(ValueError, match="shed_rate"):
+        flowyard_scheduler(0, Role.MIXED, KVCacheManager(64, 16), cost, shed_rate="fast")
+
 def _kv_tight(cost, prefill_preempts: bool):
     """36 KV blocks of 16 tokens; a short request, then two 320-token prompts (20 blocks each)
     that cannot both hold their KV while the first of them decodes."""

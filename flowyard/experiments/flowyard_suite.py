@@ -91,6 +91,7 @@ ABLATIONS: dict[str, dict] = {
     "Arrow's SLO-aware flips and monitor on": {"pools": "slo"},
     "FCFS instead of S-EDF": {"order": "fcfs"},
     "S-EDF without Moore-Hodgson shedding": {"shed": False},
+    "shedding times prompts alone, not beside the decodes": {"shed_rate": "alone"},
     "a prompt's chunk preempts for KV (vLLM)": {"prefill_preempts": True},
     "dispatch by the whole queue, not the work S-EDF ranks ahead": {"delay_ahead": False},
     "fixed chunk instead of TBT budgets": {"tbt_budget": False},
@@ -119,7 +120,8 @@ class Settings:
 FULL = Settings(duration=60.0, min_n=200, max_n=700, workloads=tuple(WORKLOADS), slos=tuple(SLO_SETTINGS), others=OTHERS,
                 ablation_rows=(("hybrid", "tight"), ("hybrid", "loose"), ("hybrid", "bylen"), ("azure-code", "tight"),
                                ("burstgpt", "tight"), ("sharegpt-sessions", "loose"), ("mooncake-conv", "tight"),
-                               ("mooncake-conv", "loose"), ("reasoning", "loose"), ("reasoning", "bylen")),
+                               ("mooncake-conv", "loose"), ("reasoning", "loose"), ("reasoning", "bylen"),
+                               ("azure-conv", "bylen")),
                 tol=0.05)
 QUICK = Settings(duration=8.0, min_n=60, max_n=150, workloads=("azure-code", "hybrid"), slos=("tight", "bylen"),
                  others=("vllm", "distserve", "arrow"), ablation_rows=(("hybrid", "bylen"),), tol=0.3, extend=2,

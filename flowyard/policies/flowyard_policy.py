@@ -57,7 +57,7 @@ from flowyard.policies.arrow_pools import PREFILL_SIDE
 from flowyard.policies.base import ClusterView
 from flowyard.policies.flowyard_control import RegimeControl
 from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
-from flowyard.policies.flowyard_local import PLACES
+from flowyard.policies.flowyard_local import PLACES, SHED_RATES
 from flowyard.policies.slack import deadline
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class FlowyardConfig:
     dispatch_flips: bool = True  # Arrow's Alg. 1/2 may flip an instance per request; False: the monitor only
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
     shed: bool = True  # S-EDF gives up the prompts Moore-Hodgson picks in an overload (flowyard_local)
+    shed_rate: str = "shared"  # ... timing each prompt at the instance's rate beside its decodes; "alone"
     prefill_preempts: bool = False  # a chunk may recompute-preempt for KV (vLLM); False: it waits
     rescue: float | None = 0.1  # TTFT rescue: a step may break the banked TPOT slack of this share of its decodes
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
@@ -108,6 +109,8 @@ class FlowyardConfig:
             raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {self.park}")
         if self.places not in PLACES:
             raise ValueError(f"flowyard places must be one of {PLACES}, got {self.places!r}")
+        if self.shed_rate not in SHED_RATES:
+            raise ValueError(f"flowyard shed_rate must be one of {SHED_RATES}, got {self.shed_rate!r}")
 
 
 class FlowyardRouter(RegimeControl):
@@ -242,7 +245,7 @@ def flowyard_policy(name: str, o) -> "Policy":
         return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
                                   tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
                                   prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue, places=cfg.places,
-                                  default_tpot=cfg.tpot_slo,
+                                  default_tpot=cfg.tpot_slo, shed_rate=cfg.shed_rate,
                                   max_num_seqs=batch.max_num_seqs,
                                   max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
 
