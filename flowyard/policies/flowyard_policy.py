@@ -33,11 +33,12 @@ while the cluster runs. The parts:
   have banked (TPOT is a mean, so long outputs amortise whole prefill chunks as in vLLM).
   Prompts may be prefilled ahead of a free decode place (`park`): what Arrow's pools do
   through their migration queues, on a colocated instance. Four rules of ours for overload
-  and contention: in a burst S-EDF gives up the prompts Moore-Hodgson picks (`shed`: the most
-  requests on time), a started prompt's chunk waits for KV instead of recompute-preempting
-  another (`prefill_preempts`), a step may take a larger budget to save a prompt's TTFT
-  when few of its decodes pay for it (`rescue`), and when parked requests wait the decode
-  places go to the least banked TPOT slack (`places`), so the wait rotates over all.
+  and contention: in a burst S-EDF gives up the prompts Moore-Hodgson picks (`shed`: the
+  most requests on time, each prompt timed at the rate it gets beside the step's decodes,
+  `shed_rate`), a started prompt's chunk waits for KV instead of recompute-preempting another
+  (`prefill_preempts`), a step may take a larger budget to save a prompt's TTFT when few of
+  its decodes pay for it (`rescue`), and when parked requests wait the decode places go to
+  the least banked TPOT slack (`places`), so the wait rotates over all.
 
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
