@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -62,6 +63,8 @@ def test_chat_and_completions_streaming_and_not(server):
     metrics = httpx.get(url + "/metrics").text
     assert "flowyard:time_to_first_token_seconds_count" in metrics
     assert "flowyard:slo_attained_total" in metrics
+    threads = [ln for ln in metrics.splitlines() if ln.startswith("flowyard:engine_cpu_threads{")]
+    assert len(threads) == 1 and 1 <= float(threads[0].rsplit(" ", 1)[1]) <= (os.cpu_count() or 1)
     assert wait_idle(engine) and engine.kv.num_used_blocks == 0
 
 

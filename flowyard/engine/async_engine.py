@@ -96,6 +96,7 @@ class AsyncLLMEngine:
             healthy=self._error is None and self._thread.is_alive(),
             detail=self._error or getattr(e, "health_detail", ""),
             preemption=getattr(e, "preemption_stats", None),
+            cpu_threads=getattr(e, "cpu_threads", None),
         )
 
     def run_forever(self, until=lambda: False) -> None:

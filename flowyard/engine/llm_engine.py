@@ -29,6 +29,7 @@ from flowyard.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig,
 from flowyard.engine.quant import quantize_model
 from flowyard.engine.runner import ModelRunner
 from flowyard.engine.sampling import RequestOutput, SamplingParams, sample, top_logprobs
+from flowyard.engine.threads import ThreadTuner, shape_key, shared_tuner
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from flowyard.policies.base import LocalScheduler, Role, StepResult
 from flowyard.policies.local import BatchConfig, BatchScheduler
@@ -73,6 +74,8 @@ class LLMEngine:
         context limit) instead of a BatchScheduler from `batch`."""
         if config.threads:
             torch.set_num_threads(config.threads)
+        # pinned by `threads`, or else chosen step by step from measured times (threads.py)
+        self.threads: ThreadTuner | None = None if config.threads else shared_tuner()
         self.config = config
         self.model_name = name
         self.tokenizer = tokenizer
@@ -151,6 +154,11 @@ class LLMEngine:
     @property
     def preemption_stats(self) -> PreemptionStats:
         return self.pool.stats
+
+    @property
+    def cpu_threads(self) -> int:
+        """The threads this engine's steps run on now (threads.py)."""
+        return self.threads.current if self.threads is not None else torch.get_num_threads()
 
     @property
     def boundary_hook(self) -> Callable[[], None] | None:
@@ -276,8 +284,14 @@ class LLMEngine:
             logits, samplers = self.pool.run(plan)
             if logits is None:  # suspended at an operator boundary; resumed by a later step
                 return []
-        else:
+        elif self.threads is None:
             logits, samplers = self.runner.execute(plan)
+        else:
+            self.threads.begin(shape_key(self.instance, plan.num_tokens - len(plan.decodes), len(plan.decodes)))
+            try:
+                logits, samplers = self.runner.execute(plan)
+            finally:
+                self.threads.end()
         if self.on_executed is not None:
             self.on_executed(plan)
         if any(s.id not in self._by_int for s in samplers):  # aborted while its task was parked

@@ -34,6 +34,7 @@ class EngineStats:
     healthy: bool = True
     detail: str = ""
     preemption: object | None = None  # engine.preemption.PreemptionStats, when the engine preempts
+    cpu_threads: int | None = None  # threads the steps run on, where they run in this process
 
 
 class QueueFullError(RuntimeError):

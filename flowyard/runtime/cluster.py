@@ -159,6 +159,10 @@ class LocalCluster(ClusterBase):
         return PreemptionStats.merged([e.preemption_stats for e in self.engines])
 
     @property
+    def cpu_threads(self) -> int:
+        return self.engines[0].cpu_threads  # one process: one thread count
+
+    @property
     def boundary_hook(self) -> Callable[[], None] | None:
         return self.engines[0].boundary_hook
 

@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from flowyard.cliargs import positive_int
+
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server (embedded model by default)")
@@ -47,7 +49,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", action="store_true",
                    help="one process per instance as Ray actors (a local Ray cluster unless --ray-address)")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster (implies --ray)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="pin torch's CPU threads (default: torch's count, halved while measured steps run "
+                   "faster on fewer, e.g. when another process holds a core)")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="SLO-aware policies (flowprefill) predict step times with this `flowyard "
                         "profile` of the engine (default: the roofline of --hardware)")

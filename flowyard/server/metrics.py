@@ -82,6 +82,11 @@ class _EngineStatsCollector(Collector):
                                         labels=["model_name"])
             count.add_metric([self.model_name], p.count)
             fams += [hist, count]
+        if s.cpu_threads is not None:
+            threads = GaugeMetricFamily(PREFIX + "engine_cpu_threads", "CPU threads the engine's steps run on "
+                                        "(measured and chosen unless --threads pins it).", labels=["model_name"])
+            threads.add_metric([self.model_name], float(s.cpu_threads))
+            fams.append(threads)
         return fams
 
 
