@@ -39,6 +39,8 @@ def _set_torch_threads(n: int) -> None:
 
 @dataclass
 class ThreadTuner:
+    """The thread count of one process's steps: `begin(shape)` before a step, `end()` after."""
+
     max_threads: int
     period: float = 5.0  # seconds from a probe that moved the count to the next probe ...
     max_period: float = 80.0  # ... doubled after each probe that kept it, up to this
@@ -52,7 +54,7 @@ class ThreadTuner:
     switches: int = field(default=0, init=False)  # how often the count changed (stats, tests)
     _wait: float = field(init=False)  # the period in force
     _next_probe: float = field(init=False)
-    _usual: dict = field(default_factory=dict, init=False)  # shape -> recent step time at `current`
+    _usual: dict[Hashable, float] = field(default_factory=dict, init=False)  # shape -> recent time at `current`
     _probe: list[float] | None = field(default=None, init=False)  # candidate/current ratios so far
     _steps: int = field(default=0, init=False)  # steps since the probe began
     _leg: tuple[Hashable, int, float] | None = field(default=None, init=False)  # a pair's first step: key, threads, time

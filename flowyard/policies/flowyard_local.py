@@ -236,7 +236,8 @@ class FlowyardSelector(DynaServeSelector):
 
     def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
         """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
-        back alone in this order, rank with the late ones, so the rest all make their TTFT."""
+        back in this order at this instance's rate (`shed_rate`), rank with the late ones, so
+        the rest all make their TTFT."""
         f = self._stretch
         late = moore_hodgson(((q[0][1], f * self.ttft_hat(q[3]), i) for i, q in enumerate(queue) if q[0][0] == 0), now)
         if not late:
