@@ -17,8 +17,8 @@ process), an earlier version that alternated which count went first ran 22 steps
 on one thread, prompts' steps at twice the time, and the two-instance benchmark's mean TPOT
 went from 69 to 96 ms.
 
-When to probe: at the first steps (a server may start on a busy machine), when a step takes
-`surge` times what steps of its shape took at this count (another process just arrived),
+When to probe: at the first decode steps (a server may start on a busy machine), when a decode
+step takes `surge` times what steps of its shape took at this count (another process arrived),
 and otherwise after a period that starts at `period` and doubles, up to `max_period`, each
 time a probe keeps the count. The doubling matters on a busy machine: there the candidate
 (every thread) is the slow one, and a probe every 5 s at 4-5x the step time cost 24 % of the
@@ -61,7 +61,7 @@ class ThreadTuner:
     _usual: dict[Hashable, float] = field(default_factory=dict, init=False)  # shape -> recent time at `current`
     _probe: list[float] | None = field(default=None, init=False)  # candidate/current ratios so far
     _steps: int = field(default=0, init=False)  # steps since the probe began
-    _leg: tuple[Hashable, int, float] | None = field(default=None, init=False)  # a pair's first step: key, threads, s
+    _leg: tuple[Hashable, float] | None = field(default=None, init=False)  # a pair's first step (at `current`): key, s
     _step: tuple[Hashable, int, float] | None = field(default=None, init=False)  # the step in flight
     _applied: int = field(init=False)  # the count last set
 
@@ -106,12 +106,12 @@ class ThreadTuner:
             self._usual[key] = took if usual is None else 0.8 * usual + 0.2 * took
             return
         self._steps += 1
-        leg = self._leg
-        if leg is not None and leg[0] == key and n != self.current:
-            self._probe.append(took / leg[2] if leg[2] > 0 else 1.0)
+        if n != self.current:  # the second step of the pair `_leg` opened (see `begin`)
+            first = self._leg[1]  # type: ignore[index]
+            self._probe.append(took / first if first > 0 else 1.0)
             self._leg = None
         else:
-            self._leg = (key, n, took)
+            self._leg = (key, took)
         if len(self._probe) >= self.pairs or self._steps >= self.patience:
             self._decide()
 

@@ -102,7 +102,7 @@ class FlowyardSelector(DynaServeSelector):
         if shed_rate not in SHED_RATES:
             raise ValueError(f"shed_rate must be one of {SHED_RATES}, got {shed_rate!r}")
         self.park, self.places, self.default_tpot, self.shed_rate = park, places, default_tpot, shed_rate
-        self._stretch = 1.0  # a prompt's time here over its time alone (`shed_rate` "shared")
+        self._ready: list[RequestState] = []  # this step's decodes (`shed_rate` "shared" prices them)
         self.order = QueueOrder(order)
         self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
         self._tables: dict[float, ProfileTable] = {}
@@ -140,14 +140,16 @@ class FlowyardSelector(DynaServeSelector):
             if self.rescue is not None and self._budget < self.chunk:
                 self._budget = self._rescued(ready, ctx * n, now) or self._budget
         self.token_budget = n + self._budget
-        if self.shed and self.shed_rate == "shared":
-            self._stretch = self._shared(n, sum(r.num_computed + 1 for r in ready))
+        self._ready = ready
         return n
 
-    def _shared(self, n: int, ctx_sum: float) -> float:
-        """How much longer prefill takes in this step's shape than alone: the decodes' share."""
-        if not n:
+    def _stretch(self) -> float:
+        """How much longer prefill takes in this step's shape than alone: the decodes' share
+        (`shed_rate` "shared"; 1 when timed alone)."""
+        n = len(self._ready)
+        if self.shed_rate == "alone" or not n:
             return 1.0
+        ctx_sum = sum(r.num_computed + 1 for r in self._ready)
         cost, b = self.profile.cost, self._budget
         alone = float(cost.step_time(BatchShape.chunk(0, b)))
         return max(1.0, float(cost.step_time(BatchShape.chunk(0, b, n, ctx_sum))) / alone) if alone > 0 else 1.0
@@ -238,8 +240,11 @@ class FlowyardSelector(DynaServeSelector):
         """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
         back in this order at this instance's rate (`shed_rate`), rank with the late ones, so
         the rest all make their TTFT."""
-        f = self._stretch
-        late = moore_hodgson(((q[0][1], f * self.ttft_hat(q[3]), i) for i, q in enumerate(queue) if q[0][0] == 0), now)
+        jobs = [(q[0][1], self.ttft_hat(q[3]), i) for i, q in enumerate(queue) if q[0][0] == 0]
+        if not jobs:
+            return queue
+        f = self._stretch()  # priced only when some prompt can still make its deadline
+        late = moore_hodgson(((due, f * t, i) for due, t, i in jobs), now)
         if not late:
             return queue
         for i in late:
