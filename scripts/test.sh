@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The project's test command (README): install, then run the whole suite.
+# The project's test command (README): install into the checkout's .venv, then run the whole
+# suite and build the docs site with its link check (what CI runs). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+PY=$(bash scripts/install.sh | tail -n 1)
+BIN=$(dirname "$PY")
 # The dashboard's page test drives Debian's chromium through Playwright (its own browser
 # download cannot be fetched here); install the browser when it is missing and we can.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
@@ -10,4 +12,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
-python3 -m pytest "$@"
+NO_MKDOCS_2_WARNING=1 "$BIN/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
+"$PY" -m pytest "$@"
