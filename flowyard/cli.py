@@ -16,7 +16,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
-from flowyard.cliargs import positive_float, positive_int
+from flowyard.cliargs import check_output_path, fraction, positive_float, positive_int
 
 EXIT_USAGE = 2
 
@@ -135,6 +135,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from flowyard.bench.report import format_table, write_json
     from flowyard.sim.run import load_workload, simulate
 
+    for flag in ("json", "plot", "timeline"):
+        check_output_path(getattr(args, flag), f"--{flag}")
     _validate_names(args, [args.policy])
     cfg = _config(args, args.policy)
     workload = load_workload(cfg)
@@ -186,6 +188,11 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     if args.concurrency is not None:  # the searched variable is the open-loop arrival rate
         raise UsageError("goodput searches the arrival rate, which closed-loop clients do not have: "
                          "run `flowyard simulate --concurrency N` for each N instead")
+    if args.scale_lo >= args.scale_hi:
+        raise UsageError(f"--scale-lo ({args.scale_lo:g}) must be below --scale-hi ({args.scale_hi:g}): "
+                         "both are rate scales, multiples of the trace's recorded rate")
+    for flag in ("json", "plot"):
+        check_output_path(getattr(args, flag), f"--{flag}")
     _validate_names(args, policies)
     base = _config(args, policies[0])
     workload = load_workload(base)
@@ -276,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("goodput", help="search the goodput of several policies on one workload")
     _add_workload_flags(g)
     g.add_argument("--policies", default="vllm,distserve", help="comma-separated policy names")
-    g.add_argument("--target", type=positive_float, default=0.9, help="attainment target")
+    g.add_argument("--target", type=fraction, default=0.9, help="SLO-attainment target in (0, 1] (default 0.9)")
     g.add_argument("--scale-lo", type=positive_float, default=0.25, help="lowest rate scale tried")
     g.add_argument("--scale-hi", type=positive_float, default=4.0, help="first upper rate scale")
     g.add_argument("--tol", type=positive_float, default=0.05, help="relative search tolerance")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def positive_float(text: str, *, allow_inf: bool = False) -> float:
@@ -29,3 +30,29 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return v
+
+
+def fraction(text: str) -> float:
+    """A share in (0, 1], such as an SLO-attainment target: 1.5 can never be met."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (a share, e.g. 0.9 for 90 %), got {text!r}")
+    return v
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before any work on an output file that cannot be written: the parent folder must
+    exist and be writable and the path must not be a folder (`-`, standard output, is fine).
+    Raises ValueError naming the flag, so a long run never ends in a lost result."""
+    if path is None or path == "-":
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path!r}: folder {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path!r}: not writable")

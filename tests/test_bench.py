@@ -434,3 +434,12 @@ def test_bench_progress_only_on_a_terminal(monkeypatch, out_tty, err_tty, enable
         if bar is not None:
             bar(3, 10)
     assert ("requests" in err.getvalue()) == shown
+
+
+def test_progress_knows_the_total_before_the_first_request(fake):
+    """The bar shows 0/N from the start, not 0/? while models are listed and prompts calibrated."""
+    _, url = fake
+    calls = []
+    run_bench(url, workload([8] * 3, [2] * 3), request_rate=float("inf"), calibrate_prompts=False,
+              progress=lambda done, total: calls.append((done, total)))
+    assert calls[0] == (0, 3) and calls[-1] == (3, 3)

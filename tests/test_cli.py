@@ -68,9 +68,35 @@ def test_goodput_searches_each_policy(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_json_to_missing_directory_is_a_clear_error(tmp_path, capsys):
-    assert main(["simulate", *SMALL, "--json", str(tmp_path / "no" / "r.json")]) == 1
-    assert "no/r.json" in capsys.readouterr().err
+def test_json_to_missing_directory_is_a_clear_error_before_the_run(tmp_path, capsys, monkeypatch):
+    """A bad output path costs nothing: it is refused before the simulation starts."""
+    import flowyard.sim.run
+
+    def no_run(*a, **k):
+        raise AssertionError("the simulation ran before the output path was checked")
+
+    monkeypatch.setattr(flowyard.sim.run, "simulate", no_run)
+    for flag in ("--json", "--plot", "--timeline"):
+        assert main(["simulate", *SMALL, flag, str(tmp_path / "no" / "r.json")]) == 2
+        err = capsys.readouterr().err
+        assert "no/r.json" in err and flag in err and "does not exist" in err
+    assert main(["simulate", *SMALL, "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["goodput", *SMALL, "--json", str(tmp_path / "no" / "g.json")]) == 2
+
+
+@pytest.mark.parametrize("target", ["1.5", "0", "-0.2", "nan", "x"])
+def test_goodput_rejects_a_target_that_is_not_a_share(capsys, target):
+    with pytest.raises(SystemExit) as e:
+        main(["goodput", *SMALL, "--target", target])
+    assert e.value.code == 2
+    assert "(0, 1]" in capsys.readouterr().err
+
+
+def test_goodput_scale_error_names_the_scales_typed(capsys):
+    assert main(["goodput", *SMALL, "--scale-lo", "4", "--scale-hi", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--scale-lo (4)" in err and "--scale-hi (2)" in err and "req/s" not in err.split("(2)")[0]
 
 
 def test_json_to_stdout_keeps_stdout_clean(capsys):

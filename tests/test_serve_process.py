@@ -68,3 +68,25 @@ def test_the_cli_bounds_openmp_spinning_before_torch_loads():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, GOMP_SPINCOUNT="7")).stdout.split()
     assert out[0] == "7"
+
+
+def test_serve_rejects_a_taken_port_before_loading_the_model(tmp_path):
+    """The port is bound before the model loads: one line naming it, no "serving on" line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "flowyard.cli", "serve", "--model", str(tmp_path / "none"),
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr
+    assert "loading" not in res.stderr and "serving" not in res.stderr
+
+
+@pytest.mark.parametrize("argv,msg", [(["--policy", "nope"], "unknown policy 'nope'"),
+                                      (["--timeline", "/no/such/dir/t.json"], "does not exist")])
+def test_serve_checks_names_and_paths_before_loading_the_model(argv, msg):
+    res = subprocess.run([sys.executable, "-m", "flowyard.cli", "serve", "--port", str(free_port()), *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and msg in res.stderr
+    assert "loading" not in res.stderr

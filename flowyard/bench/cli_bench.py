@@ -164,6 +164,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         w = cap_lengths(w, args.max_input_len, args.max_output_len)
     except ValueError as e:  # unknown trace, unreadable file, bad values
         return _error(str(e), EXIT_USAGE)
+    try:
+        from flowyard.cliargs import check_output_path
+
+        check_output_path(args.json, "--json")  # before the run, so a bad path costs nothing
+    except ValueError as e:
+        return _error(str(e), EXIT_USAGE)
     if args.save_result:  # as vLLM, create --result-dir; before the run, so a bad one costs nothing
         try:
             os.makedirs(args.result_dir, exist_ok=True)

@@ -185,6 +185,8 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
               tpot=slos["tpot"] / 1e3 if "tpot" in slos else None) if slos else None
     headers = auth_headers(api_key) or None
     wall0 = time.perf_counter()
+    if progress is not None:  # the total is known now; the model listing and prompt calibration come first
+        progress(0, len(w.requests))
     async with make_client(max_concurrency) as client:
         models = await list_models(client, base_url, headers=headers, timeout=min(timeout, 30.0))
         if model is None:

@@ -31,6 +31,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    from flowyard.cliargs import check_output_path
+
+    check_output_path(args.out, "--out")  # before minutes of measuring
     engine = LLMEngine.from_path(args.model, EngineConfig(dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory,
                                                           quantization=args.quantization))
     grid = default_grid(quick=args.quick)

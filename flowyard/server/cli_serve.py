@@ -76,6 +76,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--instances must be at least 1, got {args.instances}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    # Everything a user can get wrong is checked before the model loads (tens of seconds):
+    # the policy's name, the timeline's path, and the port, which is bound now and handed to
+    # uvicorn, so that "serving on :PORT" is never printed for a port someone else holds.
+    from flowyard.cliargs import check_output_path
+    from flowyard.policies.registry import policy_spec
+
+    policy_spec(args.policy)
+    check_output_path(args.timeline, "--timeline")
+    sock = _bind(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(
         dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory, max_model_len=args.max_model_len,
@@ -138,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(max_model_len {engine.max_model_len})",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    http = threading.Thread(target=server.run, name="flowyard-http", daemon=True)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="flowyard-http", daemon=True)
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn off the main thread installs no handlers
         signal.signal(sig, _raise_interrupt)
     try:
@@ -158,6 +167,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             timeline.write(args.timeline)
             print(f"flowyard: wrote the timeline to {args.timeline}", file=sys.stderr)
     return 0 if server.started else 1
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound as uvicorn binds it (SO_REUSEADDR, IPv6 where the host is
+    one); a port in use is a one-line error naming it."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} "
+                         "(another server holds the port? pick one with --port)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _raise_interrupt(signum, frame) -> None:
