@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
 from flowyard.cliargs import check_output_path, fraction, positive_float, positive_int
+from flowyard.optional import MissingExtra
 
 EXIT_USAGE = 2
 
@@ -317,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, ValueError) as e:  # catalog, trace and config errors are ValueErrors
+    except (UsageError, ValueError, MissingExtra) as e:  # catalog, trace and config errors are ValueErrors
         print(f"flowyard: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:

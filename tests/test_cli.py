@@ -165,3 +165,19 @@ def test_goodput_and_reproduce_share_the_switch():
     for argv in (["goodput", "--policies", "vllm"], ["reproduce", "pla", "--quick"], ["simulate"]):
         args = parser.parse_args(argv)
         assert isinstance(args, argparse.Namespace) and not _bar_on(args)  # pytest's streams are not terminals
+
+
+def test_a_missing_optional_dependency_names_the_extra(monkeypatch, capsys):
+    """`flowyard serve --ray` without Ray installed: one line naming `flowyard[ray]`, exit 2,
+    before any model loads."""
+    import sys
+
+    from flowyard.optional import MissingExtra, require
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(MissingExtra, match=r"flowyard\[ray\]"):
+        require("ray", "--ray")
+    monkeypatch.setattr("flowyard.server.cli_serve._bind", lambda host, port: None)
+    assert main(["serve", "--ray", "--instances", "2", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "flowyard[ray]" in err and "loading" not in err and len(err.strip().splitlines()) == 1

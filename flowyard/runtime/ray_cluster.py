@@ -38,8 +38,9 @@ class RayCluster(ClusterBase):
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
                  address: str | None = None, *, decisions: DecisionLog | None = None,
                  timeline: Timeline | None = None) -> None:
-        import ray
+        from flowyard.optional import require
 
+        ray = require("ray", "running instances as Ray actors (--ray)")
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self._ray = ray

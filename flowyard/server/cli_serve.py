@@ -84,6 +84,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     policy_spec(args.policy)
     check_output_path(args.timeline, "--timeline")
+    if args.ray or args.ray_address is not None:
+        from flowyard.optional import require
+
+        require("ray", "running instances as Ray actors (--ray)")
     sock = _bind(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(
