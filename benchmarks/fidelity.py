@@ -152,8 +152,7 @@ def main() -> None:
         neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         time.sleep(8)  # let it load and start decoding
-    prof = run_profile(engine.model, dtype=DTYPES[args.dtype], block_size=engine.kv.block_size,
-                       grid=default_grid(quick=args.quick), repeats=3, name=engine.model_name)
+    prof = run_profile(engine.runner, grid=default_grid(quick=args.quick), repeats=3, name=engine.model_name)
     prof["engine_overhead_s"] = measure_engine_overhead(engine)
     if neighbour is not None:
         neighbour.kill()

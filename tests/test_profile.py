@@ -12,19 +12,18 @@ from flowyard.cli import main
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import LAYER_OPS
 from flowyard.costmodel.profiled import ProfiledCostModel, ProfileError, nnls
-from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
-from flowyard.engine.profiler import GridPoint, default_grid, run_profile, save_profile
+from flowyard.engine.engine_config import EngineConfig
+from flowyard.engine.llm_engine import LLMEngine
+from flowyard.engine.profiler import (GridPoint, default_grid, grid_plan, run_profile, save_profile,
+                                      scratch_runner, time_point)
 
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     pytest.importorskip("transformers")
     d, _ = make_tiny_model(tmp_path_factory.mktemp("p"), "llama")
-    ckpt = load_checkpoint(d)
-    model = CausalLM(ckpt.config)
-    model.load_weights(ckpt.weights)
-    prof = run_profile(model, dtype=torch.float32, grid=default_grid(quick=True), repeats=2, name="tiny")
+    engine = LLMEngine.from_path(str(d), EngineConfig(dtype="float32"))
+    prof = run_profile(engine.runner, grid=default_grid(quick=True), repeats=2, name="tiny")
     path = tmp_path_factory.mktemp("out") / "profile.json"
     save_profile(prof, path)
     return prof, path
@@ -95,3 +94,46 @@ def test_gemm_curve_never_falls_with_more_tokens():
     cm = ProfiledCostModel({"num_layers": 2, "kv_bytes_per_token": 512, "samples": samples})
     steps = [float(cm.step_time(BatchShape.of([(0, n)], []))) for n in range(16, 4096, 16)]
     assert all(b >= a for a, b in zip(steps, steps[1:]))
+
+
+def _engine_calls(fn) -> set[tuple[str, str]]:
+    """The flowyard.engine functions (file, name) that run inside fn(): the code path."""
+    import os
+    import sys
+
+    calls: set[tuple[str, str]] = set()
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            path = frame.f_code.co_filename
+            if f"{os.sep}flowyard{os.sep}engine{os.sep}" in path and not path.endswith("profiler.py"):
+                calls.add((os.path.basename(path), frame.f_code.co_name))
+
+    sys.setprofile(tracer)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+# the entry points differ by design: the engine runs a plan to the end (`execute`, the model's
+# `forward` draining its own generator); the profiler drives the operator generator itself
+ENTRY = {("runner.py", "execute"), ("runner.py", "forward_steps"), ("model.py", "forward")}
+
+
+@pytest.mark.parametrize("attention", ["paged", "grouped", "exact"])
+def test_the_profiler_runs_the_engines_code_path(tmp_path, attention):
+    """For the same batch shape, the profiler and the engine call the same engine code (kernels,
+    attention path, batch preparation): a profile cannot silently time something else again (it
+    once timed the gather-based decode attention while the engine ran the paged kernel)."""
+    pytest.importorskip("transformers")
+    d, _ = make_tiny_model(tmp_path, "llama")
+    engine = LLMEngine.from_path(str(d), EngineConfig(dtype="float32", attention=attention))
+    point = GridPoint(prefill=[(16, 24)], decode=[40, 70, 9])
+    plan = grid_plan(point, engine.runner.kv, engine.model.cfg.vocab_size)
+    real = _engine_calls(lambda: engine.runner.execute(plan))
+    scratch = scratch_runner(engine.runner, 64)
+    profiled = _engine_calls(lambda: time_point(scratch, point, repeats=1))
+    assert real - ENTRY and real - ENTRY == profiled - ENTRY - {("profiler.py", "grid_plan")}
+    assert scratch.kv.num_used_blocks == 0  # the scratch KV is handed back

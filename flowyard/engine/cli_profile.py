@@ -40,8 +40,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"flowyard: profiling {engine.model_name} ({args.dtype}) over {len(grid)} batch shapes ...",
           file=sys.stderr)
     progress = (lambda i, n: print(f"  {i}/{n}", file=sys.stderr, end="\r")) if sys.stderr.isatty() else None
-    prof = run_profile(engine.model, dtype=engine.dtype, block_size=engine.kv.block_size, grid=grid,
-                       repeats=args.repeats, name=engine.model_name, progress=progress)
+    prof = run_profile(engine.runner, grid=grid, repeats=args.repeats, name=engine.model_name, progress=progress)
     prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
     prof["engine_overhead_s"] = measure_engine_overhead(engine)
     save_profile(prof, args.out)

@@ -1,14 +1,15 @@
 """`flowyard profile`: time the engine's operators over a grid of batch shapes.
 
-Each grid point builds a real batch (prefill slices over cached history and decode tokens over
-their contexts) on a scratch KV cache and runs the operator-step forward pass, reading the
-clock at every operator boundary. Per-layer operator times are averaged over layers; the time
+Each grid point is a real `StepPlan` (prefill slices over cached history and decode tokens over
+their contexts) run by a `ModelRunner` configured as the engine's (same model, kernels, KV dtype
+and attention path) on a scratch KV cache, reading the clock at every operator boundary. Per-layer operator times are averaged over layers; the time
 outside the layers (embedding, final norm, lm_head) is kept as `step_other`. The result is a
 JSON profile that `flowyard.costmodel.profiled.ProfiledCostModel` fits and the simulator loads.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import statistics
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from flowyard.core.plan import BatchShape
-from flowyard.engine.attention import AttentionBatch, PrefillSeq
-from flowyard.engine.model import LAYER_OPS, CausalLM
+from flowyard.core.kvcache import KVCacheManager, cdiv
+from flowyard.core.plan import BatchShape, PrefillSlice, StepPlan
+from flowyard.core.request import Request, RequestState
+from flowyard.engine.model import LAYER_OPS
+from flowyard.engine.runner import ModelRunner
 
 PROFILE_VERSION = 1
 
@@ -54,85 +57,100 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
     return grid
 
 
-def _batch(point: GridPoint, block_size: int, vocab: int = 1000) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, int]:
-    """Inputs for one grid point; sequences get disjoint block ranges of a scratch cache."""
-    ids, pos, slots, sample = [], [], [], []
-    prefills, next_block = [], 0
+def scratch_runner(runner: ModelRunner, num_blocks: int) -> ModelRunner:
+    """A runner configured exactly as `runner` (same model, KV dtype, decode-attention path)
+    over its own scratch KV cache, so profiling never touches a live engine's KV."""
+    return ModelRunner(runner.model, KVCacheManager(num_blocks, runner.bs), runner.kv_cache.dtype,
+                       grouped_decode=runner.grouped_decode, paged_decode=runner.paged_decode)
+
+
+def _blocks_needed(point: GridPoint, block_size: int) -> int:
+    return sum(cdiv(h + n, block_size) for h, n in point.prefill) + sum(cdiv(c, block_size) for c in point.decode)
+
+
+def grid_plan(point: GridPoint, kv: KVCacheManager, vocab: int = 1000) -> StepPlan:
+    """The StepPlan an engine would run for this grid point: prefill slices over `h` cached
+    tokens and decodes over contexts `c`, with their KV allocated on `kv`. Profiling runs these
+    plans through `ModelRunner`, the engine's own path, so a kernel the engine uses (paged
+    decode attention, the small-GEMV kernel, an fp8 cache) is the kernel the profile times."""
+    ids = itertools.count(1_000_000)
+    plan = StepPlan()
     for h, n in point.prefill:
-        total = h + n
-        blocks = list(range(next_block, next_block + -(-total // block_size)))
-        next_block += len(blocks)
-        prefills.append(PrefillSeq(len(ids), n, h, torch.tensor(blocks)))
-        ids += [(7 * i + 3) % vocab for i in range(n)]
-        pos += range(h, total)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(h, total)]
-        sample.append(len(ids) - 1)
-    batch = AttentionBatch(torch.empty(0), torch.empty(0), prefills, num_prefill_tokens=len(ids))
-    if point.decode:
-        tables, lens = [], []
-        for c in point.decode:
-            blocks = list(range(next_block, next_block + -(-c // block_size)))
-            next_block += len(blocks)
-            tables.append(blocks)
-            lens.append(c)
-            sample.append(len(ids))
-            ids.append(11 % vocab)
-            pos.append(c - 1)
-            slots.append(blocks[(c - 1) // block_size] * block_size + (c - 1) % block_size)
-        width = max(map(len, tables))
-        batch.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        batch.decode_ctx_lens = torch.tensor(lens)
-        batch.finalize(block_size)
-    batch.slot_mapping = torch.tensor(slots)
-    batch.sample_rows = torch.tensor(sample)
-    return torch.tensor(ids), torch.tensor(pos), batch, next_block
+        rid = next(ids)
+        prompt = tuple((7 * i + 3) % vocab for i in range(h + n))
+        st = RequestState(Request(rid, 0.0, h + n, max_tokens=1, prompt_tokens=prompt), num_computed=h)
+        kv.allocate(rid, h + n)
+        plan.prefills.append(PrefillSlice(st, h, n))
+    for c in point.decode:
+        rid = next(ids)
+        prompt = tuple((5 * i + 1) % vocab for i in range(c - 1))
+        st = RequestState(Request(rid, 0.0, c - 1, max_tokens=2, prompt_tokens=prompt), num_computed=c - 1,
+                          output_tokens=[11 % vocab])
+        kv.allocate(rid, c)
+        plan.decodes.append(st)
+    return plan
+
+
+def _states(plan: StepPlan) -> list[RequestState]:
+    return [s.state for s in plan.prefills] + list(plan.decodes)
 
 
 @torch.inference_mode()
-def time_point(model: CausalLM, point: GridPoint, cache: torch.Tensor, block_size: int,
-               repeats: int = 3) -> dict[str, float]:
-    """Median seconds per layer for each operator, and per step outside the layers."""
-    ids, pos, batch, _ = _batch(point, block_size, model.cfg.vocab_size)
+def time_point(runner: ModelRunner, point: GridPoint, repeats: int = 3) -> dict[str, float]:
+    """Median seconds per layer for each operator, and per step outside the layers (batch
+    preparation, embedding, final norm, lm_head), for the plan of one grid point."""
+    plan = grid_plan(point, runner.kv, runner.model.cfg.vocab_size)
     runs: list[dict[str, float]] = []
-    for _ in range(repeats + 1):  # the first run warms caches and allocators up
-        acc = {op: 0.0 for op in LAYER_OPS}
-        gen = model.forward_steps(ids, pos, batch, cache)
-        start = last = time.perf_counter()
-        while True:
-            try:
-                _, op = next(gen)
-            except StopIteration:
-                break
-            now = time.perf_counter()
-            acc[op] += now - last
-            last = now
-        end = time.perf_counter()
-        layers = model.cfg.num_layers
-        row = {op: t / layers for op, t in acc.items()}
-        row["step_other"] = (end - start) - sum(acc.values())
-        runs.append(row)
+    try:
+        for _ in range(repeats + 1):  # the first run warms caches and allocators up
+            acc = {op: 0.0 for op in LAYER_OPS}
+            start = time.perf_counter()
+            gen, _ = runner.forward_steps(plan)
+            last = time.perf_counter()
+            while True:
+                try:
+                    _, op = next(gen)
+                except StopIteration:
+                    break
+                now = time.perf_counter()
+                acc[op] += now - last
+                last = now
+            end = time.perf_counter()
+            layers = runner.model.cfg.num_layers
+            row = {op: t / layers for op, t in acc.items()}
+            row["step_other"] = (end - start) - sum(acc.values())
+            runs.append(row)
+    finally:
+        for st in _states(plan):
+            runner.kv.free(st.id)
     return {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
 
 
-def run_profile(model: CausalLM, *, dtype: torch.dtype, block_size: int = 16, grid: list[GridPoint] | None = None,
-                repeats: int = 3, name: str = "model", progress=None) -> dict:
+def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, repeats: int = 3,
+                name: str = "model", progress=None) -> dict:
+    """Time every grid point on a scratch copy of `runner` (an engine's `runner`: the profile
+    then describes exactly the steps that engine runs)."""
+    model = runner.model
     limit = model.rope.cos.shape[0]  # positions the model supports
     grid = [p for p in (grid or default_grid())
             if all(h + n <= limit for h, n in p.prefill) and all(c <= limit for c in p.decode)]
-    need = max(_batch(p, block_size)[3] for p in grid)
-    cfg = model.cfg
-    cache = torch.zeros(cfg.num_layers, 2, need, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    scratch = scratch_runner(runner, max(_blocks_needed(p, runner.bs) for p in grid))
     samples = []
     for i, point in enumerate(grid):
         shape = BatchShape.of(point.prefill, point.decode)
-        times = time_point(model, point, cache, block_size, repeats)
+        times = time_point(scratch, point, repeats)
         samples.append({"shape": asdict(shape), "times": times})
         if progress:
             progress(i + 1, len(grid))
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    cfg = model.cfg
+    kv_dtype = runner.kv_cache.dtype
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    weights = next(model.parameters()).dtype
     return {
-        "version": PROFILE_VERSION, "model": name, "dtype": str(dtype).removeprefix("torch."),
-        "num_layers": cfg.num_layers, "kv_bytes_per_token": kv_bytes, "block_size": block_size,
+        "version": PROFILE_VERSION, "model": name, "dtype": str(weights).removeprefix("torch."),
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "attention": "paged" if runner.paged_decode else "grouped" if runner.grouped_decode else "exact",
+        "num_layers": cfg.num_layers, "kv_bytes_per_token": kv_bytes, "block_size": runner.bs,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
         "samples": samples,
