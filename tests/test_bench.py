@@ -49,6 +49,7 @@ class Fake:
     inflight: int = 0
     max_inflight: int = 0
     bodies: list = field(default_factory=list)
+    headers: list = field(default_factory=list)
 
 
 class Holder:
@@ -108,6 +109,7 @@ def _app(holder: type[Holder]):
 
     @app.post("/v1/chat/completions")
     async def chat(req: fastapi.Request):
+        holder.fake.headers.append({k: v for k, v in req.headers.items() if k.startswith("x-slo")})
         return await handle(await req.json(), True)
 
     @app.post("/v1/completions")
@@ -443,3 +445,20 @@ def test_progress_knows_the_total_before_the_first_request(fake):
     run_bench(url, workload([8] * 3, [2] * 3), request_rate=float("inf"), calibrate_prompts=False,
               progress=lambda done, total: calls.append((done, total)))
     assert calls[0] == (0, 3) and calls[-1] == (3, 3)
+
+
+def test_requests_carry_their_slos_when_asked(fake):
+    """--send-slo: each request carries the SLO it is judged on (TTFT by prompt length, TPOT
+    from --goodput) as flowyard's x-slo-* headers; without it, none."""
+    f, url = fake
+    w = workload([8, 300], [2, 2])
+    res = run_bench(url, w, request_rate=float("inf"), calibrate_prompts=False, goodput="tpot:100",
+                    ttft_slo_by_length="0:0.5,256:2", send_slo=True)
+    assert sorted((h["x-slo-ttft-ms"], h["x-slo-tpot-ms"]) for h in f.headers) == [("2000", "100"), ("500", "100")]
+    assert sorted(st.req.slo.ttft for st in res.states) == [0.5, 2.0]
+    assert {st.req.slo.tpot for st in res.states} == {0.1}
+    f.headers.clear()
+    run_bench(url, w, request_rate=float("inf"), calibrate_prompts=False, goodput="tpot:100")
+    assert f.headers == [{}, {}]
+    with pytest.raises(ValueError, match="send-slo needs SLOs"):
+        run_bench(url, w, request_rate=float("inf"), calibrate_prompts=False, send_slo=True)

@@ -74,6 +74,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     o = p.add_argument_group("results")
     o.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
+    o.add_argument("--ttft-slo-by-length", default=None, metavar="L1:S1,L2:S2",
+                   help="TTFT SLO S_i (seconds) for prompts of at least L_i tokens, as `flowyard simulate`'s; "
+                        "overrides --goodput's ttft for those prompts")
+    o.add_argument("--send-slo", action="store_true",
+                   help="send each request's SLO as flowyard's x-slo-ttft-ms / x-slo-tpot-ms headers, so "
+                        "SLO-aware policies schedule by the SLOs the run is judged on")
     o.add_argument("--json", default=None, metavar="PATH",
                    help="write results (vLLM keys too); - writes them to standard output")
     o.add_argument("--save-result", action="store_true",
@@ -181,7 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                api_key=args.api_key, max_concurrency=args.max_concurrency,
                                request_rate=args.request_rate, burstiness=args.burstiness,
                                goodput=args.goodput, timeout=args.timeout, num_prompts=num,
-                               seed=args.seed, ignore_eos=args.ignore_eos, progress=progress)
+                               seed=args.seed, ignore_eos=args.ignore_eos, progress=progress,
+                               ttft_slo_by_length=args.ttft_slo_by_length, send_slo=args.send_slo)
     except ValueError as e:
         return _error(str(e), EXIT_USAGE)
     except BenchError as e:

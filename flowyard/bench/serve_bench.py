@@ -34,6 +34,7 @@ from flowyard.bench.vllm_result import clean_nan, vllm_result
 from flowyard.core.metrics import EPS, Summary, e2e, meets_slo, summarize
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.workloads import Workload, clip, retime
+from flowyard.workloads.transforms import slo_by_length
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 ENDPOINTS = ("chat", "completions")
@@ -164,13 +165,33 @@ def to_state(req: Request, out: RequestOutput, t0: float, slo: SLO | None) -> Re
     return st
 
 
+def request_slo(own: SLO, default: SLO | None) -> SLO:
+    """A request's SLO: its own (e.g. TTFT by prompt length), else the run's `--goodput` one."""
+    if default is None:
+        return own
+    return SLO(ttft=own.ttft if own.ttft is not None else default.ttft,
+               tpot=own.tpot if own.tpot is not None else default.tpot)
+
+
+def slo_headers(slo: SLO) -> dict[str, str]:
+    """The SLO as flowyard's request headers (milliseconds), as a user's client sends it so
+    that SLO-aware schedulers act on the very SLOs the run is judged on."""
+    out = {}
+    if slo.ttft is not None:
+        out["x-slo-ttft-ms"] = f"{slo.ttft * 1e3:g}"
+    if slo.tpot is not None:
+        out["x-slo-tpot-ms"] = f"{slo.tpot * 1e3:g}"
+    return out
+
+
 async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat",
                      model: str | None = None, api_key: str | None = None,
                      max_concurrency: int | None = None, request_rate: float | None = None,
                      burstiness: float = 1.0, goodput: str | Sequence[str] | Mapping[str, float] | None = None,
                      timeout: float = 300.0, num_prompts: int | None = None, seed: int = 0,
                      ignore_eos: bool = True, calibrate_prompts: bool = True,
-                     progress: Progress | None = None) -> BenchResult:
+                     progress: Progress | None = None, ttft_slo_by_length: str | None = None,
+                     send_slo: bool = False) -> BenchResult:
     """`run_bench` for callers that already run an event loop (same options)."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {', '.join(ENDPOINTS)}")
@@ -181,9 +202,15 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
     slos = parse_goodput(goodput)
     w = prepare_workload(workload, num_prompts=num_prompts, request_rate=request_rate,
                          burstiness=burstiness, seed=seed)
+    if ttft_slo_by_length:
+        w = slo_by_length(w, ttft_slo_by_length)
     slo = SLO(ttft=slos["ttft"] / 1e3 if "ttft" in slos else None,
               tpot=slos["tpot"] / 1e3 if "tpot" in slos else None) if slos else None
+    req_slos = [request_slo(r.slo, slo) for r in w.requests]
+    if send_slo and not any(x.ttft or x.tpot for x in req_slos):
+        raise ValueError("--send-slo needs SLOs to send: --goodput ttft:MS tpot:MS and/or --ttft-slo-by-length")
     headers = auth_headers(api_key) or None
+    per_request = [{**(headers or {}), **slo_headers(x)} if send_slo else headers for x in req_slos]
     wall0 = time.perf_counter()
     if progress is not None:  # the total is known now; the model listing and prompt calibration come first
         progress(0, len(w.requests))
@@ -206,10 +233,10 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
             nonlocal done
             due[i] = time.perf_counter()
             if sem is None:
-                out = await stream_request(client, url, body, headers=headers, timeout=timeout)
+                out = await stream_request(client, url, body, headers=per_request[i], timeout=timeout)
             else:
                 async with sem:
-                    out = await stream_request(client, url, body, headers=headers, timeout=timeout)
+                    out = await stream_request(client, url, body, headers=per_request[i], timeout=timeout)
             done += 1
             if progress is not None:
                 progress(done, len(bodies))
@@ -224,7 +251,7 @@ async def arun_bench(base_url: str, workload: Workload, *, endpoint: str = "chat
             tasks.append(asyncio.create_task(one(i, body)))
         outputs = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
-    states = [to_state(r, o, t0, slo) for r, o in zip(w.requests, outputs)]
+    states = [to_state(r, o, t0, x) for r, o, x in zip(w.requests, outputs, req_slos)]
     summary = summarize(states, duration=duration,
                         wall_s=time.perf_counter() - wall0)
     lim = slos.get("e2el", math.inf) / 1e3
