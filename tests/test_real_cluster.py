@@ -1,0 +1,80 @@
+"""benchmarks/real_cluster.py's pieces: SLOs and workloads scaled to the engine's profile, one
+point in the simulator and on a real `flowyard serve`, the ranking statistic and the verdicts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import real_cluster_lib as rc  # noqa: E402
+from helpers_models import make_tiny_model  # noqa: E402
+
+from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
+from flowyard.engine.engine_config import EngineConfig  # noqa: E402
+from flowyard.engine.llm_engine import LLMEngine  # noqa: E402
+from flowyard.engine.profiler import default_grid, run_profile, save_profile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("rc")
+    d, _ = make_tiny_model(tmp, "llama")
+    engine = LLMEngine.from_path(str(d), EngineConfig(dtype="float32"))
+    prof = run_profile(engine.runner, grid=default_grid(quick=True), repeats=1, name="tiny")
+    prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
+    path = tmp / "profile.json"
+    save_profile(prof, path)
+    return d, path, ProfiledCostModel(str(path))
+
+
+def test_slos_and_workloads_come_from_the_engines_profile(tiny):
+    _, _, cost = tiny
+    slos = rc.engine_slos(cost)
+    assert slos.tpot >= 0.1 and [int(x.split(":")[0]) for x in slos.spec.split(",")] == [0, 512, 1024]
+    w = rc.make_workload("code-long", 12, slos, cost)
+    reqs = w.workload.requests
+    assert len(reqs) == 12 and max(r.prompt_len for r in reqs) <= 1536 and max(r.target_output for r in reqs) <= 48
+    assert all(r.slo.tpot == slos.tpot and r.slo.ttft is not None for r in reqs)
+    assert w.base_rate > 0 and w.guess > 0 and 0 < w.fixed_rate < w.guess
+
+
+@pytest.mark.parametrize("policy", ["vllm", "flowyard", "distserve"])
+def test_a_simulated_point(tiny, policy):
+    _, _, cost = tiny
+    slos = rc.engine_slos(cost)
+    w = rc.make_workload("conv-mixed", 8, slos, cost)
+    p = rc.sim_point(w, w.fixed_rate, policy, cost, shared_device=True)
+    assert p["completed"] == 8 and 0 <= p["attainment"] <= 1 and p["ttft_p50"] > 0
+
+
+def test_kendall_tau_and_verdicts_cannot_pass_on_nothing():
+    assert rc.kendall_tau([1, 2, 3], [10, 20, 30]) == 1 and rc.kendall_tau([1, 2, 3], [3, 2, 1]) == -1
+    zero = {"real": {k: 0.0 for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")}}
+    zero["sim"] = dict(zero["real"])
+    rows = [{"executor": "local", "workload": "w", "policy": p, "real_goodput": 0.0, "sim_goodput": 0.0, **zero}
+            for p in ("vllm", "distserve", "flowyard")]
+    text = "\n".join(rc.verdicts(rows))
+    assert "1.2× on one workload: met" not in text and "0.7 per workload: met" not in text
+    assert "within 20 % of real: 0 of 3" in text and "P50 within 15 %: 0 of" in text
+    rows[2]["real_goodput"], rows[0]["real_goodput"], rows[1]["real_goodput"] = 1.3, 1.0, 0.5
+    for r, s in zip(rows, (1.0, 0.4, 1.2)):
+        r["sim_goodput"] = s
+    text = "\n".join(rc.verdicts(rows))
+    assert "w 1.30×" in text and "1.2× on one workload: met" in text and "0.7 per workload: met" in text
+
+
+def test_a_real_point_against_flowyard_serve(tiny):
+    d, path, cost = tiny
+    slos = rc.engine_slos(cost)
+    w = rc.make_workload("conv-mixed", 3, slos, cost)
+    w = rc.RealWorkload(w.name, rc.cap_lengths(w.workload, 12, 4), w.base_rate, w.guess, w.fixed_rate)
+    log = path.parent / "serve.log"
+    with rc.Server("flowyard", "local", path, str(d), log) as url:
+        p = rc.real_point(url, w, 2.0, slos, calibrate=False)  # the tiny model's context is 256
+    assert p["completed"] == 3 and 0 <= p["attainment"] <= 1
