@@ -12,6 +12,7 @@ from flowyard.experiments.arrow import (ARROW, DISAGG, HARDWARE, MODEL, SCALE_PO
                                         Search, WorkloadResult, to_json)
 from flowyard.experiments.arrow_notes import (MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
                                               goodput_ratio, ratio_text)
+from flowyard.experiments.report import wrong_side
 from flowyard.experiments.common import BAND, Report, curve_panel, figure, fmt_x, log_x, ratio, save, source_revision
 from flowyard.sim.run import DEFAULT_SLOS
 
@@ -24,6 +25,8 @@ def _verdict(ours: tuple[float, str], paper: float, band: float = BAND) -> str:
         return "not measured (both searches capped, or no goodput)"
     lo, hi = paper / band, paper * band
     shown = f"ours {q}{fmt_x(v)}; band {lo:.2f}×–{hi:.2f}×"
+    if not q.startswith("≥") and wrong_side([v], paper, paper):  # a bound below 1 or a value: a loss
+        return f"not reproduced: {wrong_side([v], paper, paper)} ({shown})"
     if math.isinf(v) or (q.startswith("≥") and v > hi):
         return f"not reproduced: above ({shown})"
     if q.startswith("≤") and v < lo:

@@ -54,11 +54,28 @@ def band_verdict(ours: float | Iterable[float], lo: float | None, hi: float, ban
         return "not measured (a zero or missing value)"
     a, b = low / band, hi * band
     shown = f"ours {fmt_range(v)}; band {a:.2g}×–{b:.2g}×" + (" for the best" if lo is None else "")
+    if lo is None and len(v) > 1:  # "up to": the best cell alone hides how typical it is
+        med = float(np.median(v))
+        shown += f"; median {med:.2f}×, best {max(v):.2f}×, {sum(x > 1 for x in v)} of {len(v)} cells above 1×"
     judged = [max(v)] if lo is None else v
+    wrong = wrong_side(judged, low, hi)
+    if wrong:
+        return f"not reproduced: {wrong} ({shown})"
     if all(a <= x <= b for x in judged):
         return f"reproduced ({shown})"
     side = "above" if min(judged) > b else "below" if max(judged) < a else "partly outside"
     return f"not reproduced: {side} ({shown})"
+
+
+def wrong_side(ours: Sequence[float], lo: float, hi: float) -> str:
+    """For a ratio over a baseline: "" when ours lies on the paper's side of 1, else why not. A
+    paper that claims a gain (its whole range above 1) is never reproduced by a loss or a tie,
+    whatever the band's width (0.97x against a paper's 1.1x lies inside a 1.5x band)."""
+    if lo > 1 and any(x <= 1 for x in ours):
+        return "the other way (the paper reports a gain, ours is no gain)"
+    if hi < 1 and any(x >= 1 for x in ours):
+        return "the other way (the paper reports a reduction, ours is none)"
+    return ""
 
 
 def gain_verdict(ours: float, paper: float, band: float = BAND, unit: str = "%") -> str:
