@@ -24,6 +24,22 @@ from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, StepResult
 
 
+def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, fetch) -> int:
+    """Import the KV blocks a migrated request was admitted with: those covering its first
+    `num_computed` tokens, from the source's chunks (`fetch(chunk)` gives the tensor). A
+    migration admitted without its KV (DynaServe's patience ran out: num_computed 0, to be
+    recomputed here) imports nothing and fetches nothing. Returns the blocks imported."""
+    need, start = -(-num_computed // runner.bs), 0
+    for ref in chunks:
+        if start >= need:
+            break
+        chunk = fetch(ref)
+        n = min(chunk.shape[2], need - start)
+        runner.import_kv(table[start:start + n], chunk[:, :, :n])
+        start += n
+    return start
+
+
 class EngineActor:
     def __init__(self, model: str | None, config: EngineConfig, instance: int, policy: Any, t0: float) -> None:
         import torch
@@ -226,13 +242,9 @@ class EngineActor:
         e = self.engine
         kv_of = {st.id: kv for st, kv in self.pending}
         for st in e.scheduler.admit_migrations(e.now()):
-            table = e.kv.block_table(st.id)
-            start, t0 = 0, e.now()
+            t0 = e.now()
             try:
-                for ref in kv_of.pop(st.id):
-                    chunk = ray.get(ref)
-                    e.runner.import_kv(table[start:start + chunk.shape[2]], chunk)
-                    start += chunk.shape[2]
+                import_kv_chunks(e.runner, e.kv.block_table(st.id), kv_of.pop(st.id), st.num_computed, ray.get)
             except Exception as err:  # noqa: BLE001 - any loss of the KV objects
                 rid = e.tracked_by_id(st.id).request_id
                 e.scheduler.migration_arrived(st, e.now())
