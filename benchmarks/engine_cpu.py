@@ -28,7 +28,6 @@ from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 
 from decode_context import steps_at  # this folder: 8-stream decode steps at a given context

@@ -23,7 +23,7 @@ import time
 from flowyard.core.metrics import summarize
 from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
-from flowyard.engine.engine_config import DTYPES, EngineConfig, default_token_budget
+from flowyard.engine.engine_config import EngineConfig, default_token_budget
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile
 from flowyard.engine.sampling import SamplingParams

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README): install into the checkout's .venv, then run the whole
-# suite and build the docs site with its link check (what CI runs). Extra arguments go to pytest.
+# suite, lint, and build the docs site with its link check (what CI runs). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/install.sh | tail -n 1)
@@ -12,5 +12,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
   ($SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
+"$BIN/ruff" check --quiet flowyard tests benchmarks   # pyproject.toml [tool.ruff.lint]
 NO_MKDOCS_2_WARNING=1 "$BIN/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 "$PY" -m pytest "$@"

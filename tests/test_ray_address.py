@@ -16,7 +16,6 @@ from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
-from flowyard.policies.registry import PolicyOptions, build_policy
 
 ray = pytest.importorskip("ray")
 PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([30, 12, 50])]

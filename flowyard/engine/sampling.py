@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing this module must not load torch
+    import torch
 
 MAX_LOGPROBS = 20  # vLLM's default cap
 

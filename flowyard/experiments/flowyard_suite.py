@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 from flowyard.core.metrics import summarize
 from flowyard.costmodel.base import CostModel

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from flowyard.experiments.pla_serve import (AFFINE_PD, BASELINE, FULL_PLA, MAX_NEW_TOKENS, TTFT_SLO, CLPoint,
+from flowyard.experiments.pla_serve import (AFFINE_PD, BASELINE, FULL_PLA, MAX_NEW_TOKENS, CLPoint,
                                             Results)
 
 #: the paper's numbers, each with the figure it belongs to (§4.1 text); positive = PLA better
