@@ -12,7 +12,7 @@ from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.loader import load_checkpoint
-from flowyard.engine.model import CausalLM
+from flowyard.engine.model import CausalLM, PackedLinear
 from flowyard.engine.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -196,6 +196,11 @@ def test_embedded_model_greedy_matches_transformers(smol, dtype, attention, n_pr
         if attention == "exact":
             assert out.new_token_ids == ref[0]
         else:
-            assert check_greedy_close(ref, (out.new_token_ids, out.logprobs)) >= 16
+            # Where the CPU multiplies bfloat16 natively (oneDNN), the paged kernel's one float32
+            # rounding keeps at least 16 leading tokens equal; elsewhere (no AVX512-BF16: `auto`
+            # picks float32 there) bfloat16 is emulated and near-ties may part at any token, so
+            # only vLLM's criterion (each side's token in the other's top-5) applies.
+            leading = 16 if PackedLinear.available else 0
+            assert check_greedy_close(ref, (out.new_token_ids, out.logprobs)) >= leading
     assert "Paris" in outs[0].new_text
     model.float()
