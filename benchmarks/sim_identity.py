@@ -25,7 +25,7 @@ from flowyard.sim.run import SimConfig, build_cost_model, load_workload, simulat
 
 # (name, trace, duration in trace seconds, rate scale): three different shapes of traffic
 WORKLOADS = (("conv", "azure-conv", 300.0, 1.5), ("code", "azure-code", 300.0, 1.0),
-             ("burst", "burstgpt", 300.0, 2.0))
+             ("burst", "burstgpt", None, 100.0), ("moon", "mooncake-conv", 200.0, 1.0))
 
 
 def digest(states) -> str:

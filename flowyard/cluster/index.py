@@ -7,8 +7,10 @@ asking it gives the same answer as the scan it replaces. It is kept up to date l
 executor `touch`es an instance whenever its local scheduler changes (a request queued, a step
 planned or applied, a KV transfer landed), and the next query re-scores only the instances
 touched since. This is exact for scores that change only when the scheduler does (request
-counts, queued prompt work); scores that also move with the passage of time inside a
-multi-step decode run (running tokens, free KV) must keep scanning.
+counts, queued prompt work). Scores that also grow with the passage of time inside a
+multi-step decode run (running tokens) use `least_growing`, which re-reads members in the
+order of their last keys (lower bounds) until no later one can win; scores that may shrink
+with time alone (free KV) must keep scanning.
 
 Executors that cannot say when an instance changes (a remote Ray actor) offer no index; a
 policy then falls back to the scan (`least`).
@@ -94,6 +96,22 @@ class RankedInstances:
         """(score, id) of the least member, or None."""
         self._refresh()
         return self._order[0] if self._order else None
+
+    def least_growing(self) -> tuple | None:
+        """(score, id) of the least member now, for a score that may grow between touches
+        but never shrinks (running tokens during a multi-step decode run): the kept keys are
+        lower bounds, so members are re-read in their order until the best current key is
+        below the next kept one; no member after that can beat it. Same answer as a scan."""
+        self._refresh()
+        best = None
+        score, snapshot = self.score, self.snapshot
+        for key in self._order:
+            if best is not None and best < key:
+                break
+            now = (score(snapshot(key[1])), key[1])
+            if best is None or now < best:
+                best = now
+        return best
 
 
 class Touched:
