@@ -51,7 +51,7 @@ def save(out: Path, policies: list[str], workloads: list[str]) -> None:
             summary, result = simulate(cfg, w, cost_model=cost)
             wall = time.perf_counter() - t0
             path = out / f"{name}-{policy}.json"
-            write_json(summary, str(path), extra={"config": vars(cfg), "events": result.events,
+            write_json(summary, str(path), extra={"config": cfg.as_dict(), "events": result.events,
                                                   "sim_time_s": result.sim_time})
             data = json.loads(path.read_text())
             data.pop("wall_s", None)

@@ -42,6 +42,10 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="replay at most N requests (length-only traces: generate N)")
     g.add_argument("--rate", type=positive_float, default=None,
                    help="arrival rate (req/s) for length-only traces (sharegpt, arxiv)")
+    g.add_argument("--mix", default=None, metavar="NAME[:SCALE],...",
+                   help="superpose these traces (each at SCALE x its rate) on --trace (docs/scale.md)")
+    g.add_argument("--tile", type=positive_int, default=1, metavar="N",
+                   help="repeat the workload N times back to back: N x the requests (docs/scale.md)")
     g.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO in seconds")
     g.add_argument("--tpot-slo", type=positive_float, default=None, help="TPOT SLO in seconds")
     g.add_argument("--ttft-slo-by-length", default=None, metavar="L1:S1,L2:S2",
@@ -82,6 +86,7 @@ def _config(args: argparse.Namespace, policy: str):
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
         concurrency=args.concurrency, think_time=args.think_time, calibration=args.calibration,
+        mix=args.mix, tile=args.tile,
     )
 
 
@@ -155,7 +160,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)", file=out)
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}", file=out)
-    extra = {"config": vars(cfg), "events": result.events, "sim_time_s": result.sim_time}
+    extra = {"config": cfg.as_dict(), "events": result.events, "sim_time_s": result.sim_time}
     blocking = result.preemption_blocking
     if blocking:
         extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
@@ -215,7 +220,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     print(format_goodput_table(results), file=out)
     print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average", file=out)
     if args.json:
-        write_goodput_json(results, args.json, extra={"config": vars(base), "base_rate_rps": mean_rate})
+        write_goodput_json(results, args.json, extra={"config": base.as_dict(), "base_rate_rps": mean_rate})
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
     if args.plot:
