@@ -182,8 +182,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_goodput(args: argparse.Namespace) -> int:
     from flowyard.bench.report import format_goodput_table, write_goodput_json
-    from flowyard.core.goodput import goodput_search
-    from flowyard.sim.run import build_cost_model, load_workload, simulate
+    from flowyard.sim.run import load_workload
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -194,29 +193,26 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     _validate_names(args, policies)
     base = _config(args, policies[0])
     workload = load_workload(base)
-    cost = build_cost_model(base)
     # The search runs in req/s; a rate r replays the trace at rate scale r / base_rate.
     mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
-    results, runs, out, bar_on = [], [0], _human(args), _bar_on(args)
+    out, bar_on = _human(args), _bar_on(args)
+    from flowyard import sweep as sweeps
+    from flowyard.sweep.jobs import goodput_searches, sweep_from_args
+
     with _progress(bar_on, "goodput search") as bar:
-        for name in policies:
-            cfg = base.replace(policy=name)
+        def on_point(policy: str, rate: float, scale: float, a: float) -> None:
+            line = f"  {policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  attainment {a:6.1%}"
+            if bar is None and not args.quiet:
+                print(line, file=sys.stderr)
 
-            def attainment(rate: float, cfg=cfg) -> float:
-                scale = rate / mean_rate
-                summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
-                runs[0] += 1
-                line = (f"  {cfg.policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  "
-                        f"attainment {summary.slo_attainment:6.1%}")
-                if bar is not None:
-                    bar(runs[0], None, f"goodput search: {line.strip()}")
-                elif not args.quiet:
-                    print(line, file=sys.stderr)
-                return summary.slo_attainment
-
-            res = goodput_search(attainment, lo=args.scale_lo * mean_rate, hi=args.scale_hi * mean_rate,
-                                 target=args.target, tol=args.tol, policy=name)
-            results.append(res)
+        sweep = sweep_from_args(args, None if bar is None else (lambda done, total: bar(done, total)))
+        prev = sweeps.use(sweep)
+        try:
+            results = goodput_searches(base, policies, workload, lo=args.scale_lo * mean_rate,
+                                       hi=args.scale_hi * mean_rate, target=args.target, tol=args.tol,
+                                       on_point=on_point)
+        finally:
+            sweeps.use(prev)
     print(format_goodput_table(results), file=out)
     print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average", file=out)
     if args.json:
@@ -287,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tol", type=positive_float, default=0.05, help="relative search tolerance")
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
+    from flowyard.sweep.jobs import add_sweep_flags
+
+    add_sweep_flags(g)
     g.set_defaults(func=cmd_goodput)
     from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS
 
