@@ -258,7 +258,15 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             bar(runs[0], None, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
 
         log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
-        path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+        from flowyard import sweep as sweeps
+        from flowyard.sweep.jobs import sweep_from_args
+
+        sweep = sweep_from_args(args, None if bar is None or not args.quiet else (lambda d, t: bar(d, t)))
+        prev = sweeps.use(sweep)
+        try:
+            path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+        finally:
+            sweeps.use(prev)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -296,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
+    from flowyard.sweep.jobs import add_sweep_flags
+
+    add_sweep_flags(r)
     r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.costmodel.cli_validate import add_validate_parser

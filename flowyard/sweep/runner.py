@@ -46,6 +46,7 @@ class Sweep:
     _wanted: dict = field(default_factory=dict, repr=False)
     _asked: int = 0
     _started_ray: bool = False
+    _incomplete: bool = False
     _refs: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -72,20 +73,42 @@ class Sweep:
         raise Pending(key)
 
     def run(self, body: Callable[[], Any]) -> Any:
-        """Run `body` until it asks for no result that is not known (module docstring)."""
+        """Run `body` until it asks for no result that is not known (module docstring). A pass
+        that fails on a stand-in value (`attempt`) while results are pending is simply run
+        again once they are known; a pass that fails with nothing pending raises."""
         try:
             while True:
-                self._wanted = {}
+                self._wanted, self._incomplete = {}, False
                 self.rounds += 1
                 try:
                     out = body()
                 except Pending:
+                    out, self._incomplete = None, True
+                except Exception:
+                    if not self._wanted:
+                        raise
                     out = None
                 if not self._wanted:
+                    if self._incomplete:
+                        raise RuntimeError("a sweep pass waited for a result nothing asked to compute")
                     return out
                 self._compute(self._wanted)
         finally:
             self.close()
+
+    def attempt(self, fn: Callable[[], Any], placeholder: Any) -> Any:
+        """fn(), or `placeholder` while a result fn needs is pending (the pass goes on to other
+        independent work; the stand-in is never part of the final pass)."""
+        try:
+            return fn()
+        except Pending:
+            self._incomplete = True
+            return placeholder
+
+    def blocked(self) -> None:
+        """The caller cannot go on without a pending result (it holds a stand-in)."""
+        self._incomplete = True
+        raise Pending("blocked")
 
     def _store(self, key: Any, v: Any) -> None:
         self._memo[key] = v
