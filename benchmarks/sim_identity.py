@@ -8,6 +8,8 @@ A change that only makes the simulator faster must leave both files byte-identic
     python benchmarks/sim_identity.py save DIR        # at the old revision (a git worktree)
     python benchmarks/sim_identity.py save DIR2       # at the new one
     python benchmarks/sim_identity.py compare DIR DIR2
+    python benchmarks/sim_identity.py speed OLD_SRC    # CPU seconds at 8 instances, old vs this tree,
+                                                       # runs interleaved (the machine may be shared)
 """
 
 from __future__ import annotations
@@ -81,6 +83,37 @@ def compare(a: Path, b: Path) -> int:
     return 1 if bad else 0
 
 
+SPEED_CHILD = r"""
+import sys, time
+from flowyard.sim.run import SimConfig, build_cost_model, load_workload, simulate
+cfg = SimConfig(trace="azure-conv", duration=600.0, instances=8, policy=sys.argv[1])
+w = load_workload(cfg)
+cost = build_cost_model(cfg)
+c0, t0 = time.process_time(), time.perf_counter()
+simulate(cfg, w, cost_model=cost)
+print(time.process_time() - c0, time.perf_counter() - t0)
+"""
+
+
+def speed(old: Path, policies: list[str], repeat: int) -> int:
+    """Best-of-`repeat` CPU seconds of one azure-conv 600 s run per policy, old vs new."""
+    import os
+    import subprocess
+
+    new = Path(__file__).resolve().parents[1]
+    print(f"{'policy':18s} {'old CPU s':>10s} {'new CPU s':>10s} {'new/old':>8s}")
+    for p in policies:
+        best = {}
+        for _ in range(repeat):
+            for name, src in (("old", old), ("new", new)):
+                out = subprocess.run([sys.executable, "-c", SPEED_CHILD, p], capture_output=True, text=True,
+                                     check=True, env={**os.environ, "PYTHONPATH": str(src)})
+                cpu = float(out.stdout.split()[0])
+                best[name] = min(best.get(name, cpu), cpu)
+        print(f"{p:18s} {best['old']:10.2f} {best['new']:10.2f} {best['new'] / best['old']:8.2f}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -91,7 +124,13 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
+    sp = sub.add_parser("speed")
+    sp.add_argument("old", type=Path, help="source tree of the old revision (a git worktree)")
+    sp.add_argument("--policies", default="vllm,arrow,dynaserve,flowyard")
+    sp.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
+    if args.cmd == "speed":
+        return speed(args.old, [p for p in args.policies.split(",") if p], args.repeat)
     if args.cmd == "save":
         save(args.out, [p for p in args.policies.split(",") if p],
              [w for w in args.workloads.split(",") if w])
