@@ -153,14 +153,23 @@ def main() -> None:
     ap.add_argument("--sweep-policies", default="vllm,round-robin,least-load,distserve")
     ap.add_argument("--out", default="benchmarks/results/sim_scaling.md")
     ap.add_argument("--jsonl", default="/tmp/sim_scaling.jsonl", help="each point as it finishes")
+    ap.add_argument("--resume", action="store_true", help="reuse the points already in --jsonl")
     args = ap.parse_args()
     start = time.perf_counter()
     skip = {s for s in args.skip.split(",") if s}
+    done = {}
+    if args.resume and Path(args.jsonl).exists():  # points an earlier (killed) run measured
+        for line in Path(args.jsonl).read_text().splitlines():
+            r = json.loads(line)
+            done[(r["policy"], r["instances"], r["requests"])] = r
     rows = []
     for req in (int(x) for x in args.requests.split(",")):
         for n in (int(x) for x in args.instances.split(",")):
             for p in args.policies.split(","):
                 if f"{p}:{n}:{req}" in skip:
+                    continue
+                if (p, n, req) in done:
+                    rows.append(done[(p, n, req)])
                     continue
                 r = point(p, n, req, args.timeout)
                 rows.append(r)

@@ -251,17 +251,22 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
-        runs = [0]
+        runs = [0, None]  # runs logged; (computed, asked) of a parallel sweep
 
         def on_bar(m: str) -> None:
             runs[0] += 1
-            bar(runs[0], None, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+            done, total = runs[1] if runs[1] is not None else (runs[0], None)
+            bar(done, total, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+
+        def on_sweep(done: int, total: int) -> None:  # a parallel sweep counts simulations
+            runs[1] = (done, total)
+            bar(done, total)  # type: ignore[misc]
 
         log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         from flowyard import sweep as sweeps
         from flowyard.sweep.jobs import sweep_from_args
 
-        sweep = sweep_from_args(args, None if bar is None or not args.quiet else (lambda d, t: bar(d, t)))
+        sweep = sweep_from_args(args, None if bar is None else on_sweep)
         prev = sweeps.use(sweep)
         try:
             path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
