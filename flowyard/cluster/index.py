@@ -25,6 +25,9 @@ from sortedcontainers import SortedList
 from flowyard.policies.base import InstanceSnapshot
 
 Score = Callable[[InstanceSnapshot], Any]
+# Below this many candidates a scan of cached snapshots is cheaper than keeping an index up to
+# date on every change (the answer is the same either way).
+INDEX_MIN = 32
 
 
 class RankedInstances:
@@ -139,7 +142,8 @@ def least(view, name: str, score: Score, ids: Callable[[], Iterable[int]]) -> in
     keeps one (`view.ranked`), else by reading every snapshot. ids() must be the same set every
     time a given name is asked for (use `RankedInstances` directly for dynamic sets)."""
     ranked = getattr(view, "ranked", None)
-    if ranked is not None:
-        return ranked(name, score, ids).least()
-    ids = list(ids())
+    members = list(ids())
+    if ranked is not None and len(members) >= INDEX_MIN:
+        return ranked(name, score, lambda: members).least()
+    ids = members
     return min(ids, key=lambda i: (score(view.snapshot(i)), i)) if ids else None

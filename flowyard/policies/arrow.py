@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flowyard.cluster.index import INDEX_MIN
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
@@ -160,7 +161,7 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         pools = self.pools
         assert pools is not None
         ranked = getattr(view, "ranked", None)
-        if ranked is None:
+        if ranked is None or pools.count(pool) < INDEX_MIN:  # a scan is cheaper for a few
             return min(((score(view.snapshot(i)), i) for i in pools.members(pool)), default=None)
         name = f"{self.name}:{getattr(score, '__name__', 'score')}:{pool.value}:{id(self)}"
         idx = ranked(name, score)

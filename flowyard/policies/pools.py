@@ -49,10 +49,16 @@ class Pools:
         return cls(of, dict(of))
 
     def members(self, *pools: Hashable) -> list[int]:
+        return list(self._sorted(pools))
+
+    def count(self, *pools: Hashable) -> int:
+        return len(self._sorted(pools))
+
+    def _sorted(self, pools: tuple) -> list[int]:
         cached = self._members.get(pools)
         if cached is None:
             cached = self._members[pools] = sorted(i for i, p in self.of.items() if p in pools)
-        return list(cached)
+        return cached
 
     def move(self, i: int, to: Hashable, now: float, flip: bool = True) -> Hashable:
         """Put instance i in pool `to` (recorded if it changes); a flip restarts its cool-down."""
