@@ -130,6 +130,8 @@ def report(rows: list[dict], sweep: list[dict], args: argparse.Namespace, wall: 
             lines.append(f"| {p}: 1 M req on 1,000 instances <= {TARGET_1M_S.get(p, math.nan):.0f} s | {est:,.0f} s "
                          f"({note}; peak RSS {r['rss_mib'] / r['requests'] * 1e6 / 1024:,.1f} GiB at that rate) | "
                          f"{'yes' if est <= TARGET_1M_S.get(p, math.inf) else 'no'} |")
+    if args.skip:
+        lines += ["", f"Not run (`--skip`): {args.skip.replace(',', ', ')}."]
     if sweep:
         lines += ["", "## Goodput sweep on Ray", "",
                   f"`flowyard goodput --trace azure-conv --duration 300 --instances 4 --policies {args.sweep_policies} "
