@@ -43,6 +43,10 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                    help="replay at most N requests (length-only traces: generate N)")
     g.add_argument("--rate", type=positive_float, default=None,
                    help="arrival rate (req/s) for length-only traces (sharegpt, arxiv)")
+    g.add_argument("--mix", default=None, metavar="NAME[:SCALE],...",
+                   help="superpose these traces (each at SCALE x its rate) on --trace (docs/scale.md)")
+    g.add_argument("--tile", type=positive_int, default=1, metavar="N",
+                   help="repeat the workload N times back to back: N x the requests (docs/scale.md)")
     g.add_argument("--ttft-slo", type=positive_float, default=None, help="TTFT SLO in seconds")
     g.add_argument("--tpot-slo", type=positive_float, default=None, help="TPOT SLO in seconds")
     g.add_argument("--ttft-slo-by-length", default=None, metavar="L1:S1,L2:S2",
@@ -83,6 +87,7 @@ def _config(args: argparse.Namespace, policy: str):
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
         concurrency=args.concurrency, think_time=args.think_time, calibration=args.calibration,
+        mix=args.mix, tile=args.tile,
     )
 
 
@@ -158,7 +163,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)", file=out)
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}", file=out)
-    extra = {"config": vars(cfg), "events": result.events, "sim_time_s": result.sim_time}
+    extra = {"config": cfg.as_dict(), "events": result.events, "sim_time_s": result.sim_time}
     blocking = result.preemption_blocking
     if blocking:
         extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
@@ -180,8 +185,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_goodput(args: argparse.Namespace) -> int:
     from flowyard.bench.report import format_goodput_table, write_goodput_json
-    from flowyard.core.goodput import goodput_search
-    from flowyard.sim.run import build_cost_model, load_workload, simulate
+    from flowyard.sim.run import load_workload
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -197,33 +201,30 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     _validate_names(args, policies)
     base = _config(args, policies[0])
     workload = load_workload(base)
-    cost = build_cost_model(base)
     # The search runs in req/s; a rate r replays the trace at rate scale r / base_rate.
     mean_rate = len(workload.requests) / max(workload.duration, 1e-9)
-    results, runs, out, bar_on = [], [0], _human(args), _bar_on(args)
+    out, bar_on = _human(args), _bar_on(args)
+    from flowyard import sweep as sweeps
+    from flowyard.sweep.jobs import goodput_searches, sweep_from_args
+
     with _progress(bar_on, "goodput search") as bar:
-        for name in policies:
-            cfg = base.replace(policy=name)
+        def on_point(policy: str, rate: float, scale: float, a: float) -> None:
+            line = f"  {policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  attainment {a:6.1%}"
+            if bar is None and not args.quiet:
+                print(line, file=sys.stderr)
 
-            def attainment(rate: float, cfg=cfg) -> float:
-                scale = rate / mean_rate
-                summary, _ = simulate(cfg.replace(rate_scale=scale), workload, cost_model=cost)
-                runs[0] += 1
-                line = (f"  {cfg.policy:>16}  {rate:8.2f} req/s (x{scale:6.2f})  "
-                        f"attainment {summary.slo_attainment:6.1%}")
-                if bar is not None:
-                    bar(runs[0], None, f"goodput search: {line.strip()}")
-                elif not args.quiet:
-                    print(line, file=sys.stderr)
-                return summary.slo_attainment
-
-            res = goodput_search(attainment, lo=args.scale_lo * mean_rate, hi=args.scale_hi * mean_rate,
-                                 target=args.target, tol=args.tol, policy=name)
-            results.append(res)
+        sweep = sweep_from_args(args, None if bar is None else (lambda done, total: bar(done, total)))
+        prev = sweeps.use(sweep)
+        try:
+            results = goodput_searches(base, policies, workload, lo=args.scale_lo * mean_rate,
+                                       hi=args.scale_hi * mean_rate, target=args.target, tol=args.tol,
+                                       on_point=on_point)
+        finally:
+            sweeps.use(prev)
     print(format_goodput_table(results), file=out)
     print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average", file=out)
     if args.json:
-        write_goodput_json(results, args.json, extra={"config": vars(base), "base_rate_rps": mean_rate})
+        write_goodput_json(results, args.json, extra={"config": base.as_dict(), "base_rate_rps": mean_rate})
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
     if args.plot:
@@ -258,14 +259,27 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
-        runs = [0]
+        runs = [0, None]  # runs logged; (computed, asked) of a parallel sweep
 
         def on_bar(m: str) -> None:
             runs[0] += 1
-            bar(runs[0], None, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+            done, total = runs[1] if runs[1] is not None else (runs[0], None)
+            bar(done, total, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+
+        def on_sweep(done: int, total: int) -> None:  # a parallel sweep counts simulations
+            runs[1] = (done, total)
+            bar(done, total)  # type: ignore[misc]
 
         log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
-        path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+        from flowyard import sweep as sweeps
+        from flowyard.sweep.jobs import sweep_from_args
+
+        sweep = sweep_from_args(args, None if bar is None else on_sweep)
+        prev = sweeps.use(sweep)
+        try:
+            path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+        finally:
+            sweeps.use(prev)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -290,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tol", type=positive_float, default=0.05, help="relative search tolerance")
     g.add_argument("--json", default=None, metavar="PATH")
     g.add_argument("--plot", default=None, metavar="PATH", help="write attainment vs rate as PNG")
+    from flowyard.sweep.jobs import add_sweep_flags
+
+    add_sweep_flags(g)
     g.set_defaults(func=cmd_goodput)
     from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS
 
@@ -300,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
+    from flowyard.sweep.jobs import add_sweep_flags
+
+    add_sweep_flags(r)
     r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.costmodel.cli_validate import add_validate_parser

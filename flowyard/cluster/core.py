@@ -101,6 +101,9 @@ class ClusterCore:
         # the ClusterView calls go straight to the transport: policies call them on every arrival
         self.instances = transport.instance_ids  # type: ignore[method-assign]
         self.snapshot = transport.snapshot  # type: ignore[method-assign]
+        # an executor that knows when each instance changes keeps score-ordered indexes
+        # (`flowyard.cluster.index`); policies fall back to scanning snapshots without one
+        self.ranked = getattr(transport, "ranked", None)
         self._decode_role = Role.DECODE in policy.roles
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
 

@@ -22,17 +22,21 @@ class KVCacheManager:
             raise ValueError("KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        # Free blocks are the never-used ids [_fresh, num_blocks), handed out lowest first, then
+        # the returned ones in `_free` (a stack): the order of the stack [num_blocks-1 .. 0]
+        # this manager once built in full, without a list per instance of a 1,000-instance run.
+        self._fresh = 0
+        self._free: list[int] = []
         self._tables: dict[int, list[int]] = {}
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._fresh - len(self._free)
 
     @property
     def usage(self) -> float:
@@ -53,18 +57,27 @@ class KVCacheManager:
         return max(0, cdiv(total_tokens, self.block_size) - self.num_held(req_id))
 
     def can_allocate(self, req_id: int, total_tokens: int, reserve: int = 0) -> bool:
-        return self.blocks_needed(req_id, total_tokens) + reserve <= len(self._free)
+        return self.blocks_needed(req_id, total_tokens) + reserve <= self.num_free_blocks
 
     # -- mutations -----------------------------------------------------------------------
     def allocate(self, req_id: int, total_tokens: int) -> bool:
         """Grow the request's table to cover total_tokens; False (and no change) if full."""
         need = self.blocks_needed(req_id, total_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         table = self._tables.setdefault(req_id, [])
         if need:
-            table.extend(self._free[-need:])
-            del self._free[-need:]
+            free = self._free
+            fresh = need - len(free)
+            if fresh <= 0:
+                table.extend(free[-need:])
+                del free[-need:]
+            else:  # the stack's bottom is the untouched ids, highest first
+                k = self._fresh
+                table.extend(range(k + fresh - 1, k - 1, -1))
+                table.extend(free)
+                free.clear()
+                self._fresh = k + fresh
         return True
 
     def trim(self, req_id: int, total_tokens: int) -> None:

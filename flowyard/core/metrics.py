@@ -199,6 +199,7 @@ def summarize(states: Sequence[RequestState], *, duration: float | None = None,
     # Gaps: diff over the whole concatenation; the gaps that straddle two requests become
     # -inf, so a max over a request's span ignores them, then they are dropped.
     gaps = np.diff(all_t)
+    del all_t, chunks  # a million requests' tokens: hold the times or the gaps, not both
     bounds = start[has & (start > 0)] - 1
     gaps[bounds[bounds < len(gaps)]] = -np.inf
     multi = n >= 2

@@ -11,6 +11,7 @@ is in `common.py` and `report.py`.
 from __future__ import annotations
 
 import importlib
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -46,7 +47,22 @@ def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = Fa
     module = importlib.import_module(EXPERIMENTS[key])
     report = importlib.import_module(EXPERIMENTS[key] + "_report")
     out = output_dir(Path(out))
-    results = module.run_experiments(module.QUICK if quick else module.FULL, seed, log)
+    from flowyard.sweep import current
+
+    sweep = current()
+    if sweep.parallel and log is not None:  # every pass re-reads the runs it knows: say each once
+        said: set[str] = set()
+        inner = log
+
+        def log(m: str) -> None:  # type: ignore[no-redef]
+            if m not in said:
+                said.add(m)
+                inner(m)
+    settings = module.QUICK if quick else module.FULL
+    start = time.perf_counter()
+    results = sweep.run(lambda: module.run_experiments(settings, seed, log))
+    if sweep.parallel and hasattr(results, "wall_s"):  # all passes, not just the last one
+        results.wall_s = time.perf_counter() - start
     return report.write_report(results, out, command=command or reproduce_command(key, quick, seed, out))
 
 

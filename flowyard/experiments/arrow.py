@@ -30,6 +30,7 @@ from flowyard.experiments.common import (
 from flowyard.policies.arrow_pools import PREFILL_SIDE, Pool
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload
 from flowyard.sim.simulator import SimulationError
+from flowyard.sweep import current, digest
 from flowyard.workloads import Workload, clip
 
 MODEL, HARDWARE, TARGET = "llama-3.1-8b", "h800", 0.9
@@ -159,8 +160,11 @@ class ArrowScenario(Scenario):
     def point(self, policy: str, rate: float, *, label: str | None = None, **_unused) -> APoint:  # type: ignore[override]
         key = (policy, round(rate, 9))
         if key not in self._cache:
+            if math.isnan(rate):
+                current().blocked()  # asked at a stand-in of a pending search
             cfg = self.cfg.replace(policy=policy, rate_scale=rate / self.base_rate)
-            p = run_apoint(cfg, self.workload, self.cost)
+            p = current().value(("run_apoint", cfg.as_dict(), digest(self.workload), repr(self.cost)),
+                                run_apoint, cfg, self.workload, self.cost)
             self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s", p.wall_s, p.error, p.events)
             if self.log is not None:
                 self.log(f"  {self.name:>22} {label or policy:>24}  rate {rate:8.3f}  attainment "
@@ -211,9 +215,12 @@ def scenario(name: str, spec: WorkloadSpec, w: Workload, policy: str, instances:
 
 
 def search(sc: ArrowScenario, policy: str, grid: tuple[float, ...], s: Settings, label: str) -> Search:
-    t = threshold_search(lambda r: sc.point(policy, r, label=label).attainment, grid, TARGET, find="max",
-                         tol=s.tol, extend=s.extend)
-    return Search(t, {x: sc.point(policy, x, label=label) for x, _ in t.curve})
+    def run() -> Search:
+        t = threshold_search(lambda r: sc.point(policy, r, label=label).attainment, grid, TARGET, find="max",
+                             tol=s.tol, extend=s.extend)
+        return Search(t, {x: sc.point(policy, x, label=label) for x, _ in t.curve})
+
+    return current().attempt(run, Search(Threshold(math.nan), {}))  # a stand-in while runs are pending
 
 
 def table_rate(s: Search, grid: tuple[float, ...]) -> float:

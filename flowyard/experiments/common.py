@@ -28,6 +28,7 @@ from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.policies.registry import build_policy
 from flowyard.sim.run import SimConfig, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError
+from flowyard.sweep import Pending, current, digest
 from flowyard.experiments.report import (BAND, Report, band_verdict, bar_panel, curve_panel,  # noqa: F401
                                          figure, gain_verdict, fmt_ms, fmt_range, fmt_x, log_x, md_table, ratio, save, source_revision)
 from flowyard.workloads import Workload
@@ -126,8 +127,12 @@ class Scenario:
               flowprefill: FlowPrefillConfig | None = None, label: str | None = None) -> Point:
         key = (policy, round(rate, 9), round(slo_scale, 9), flowprefill)
         if key not in self._cache:
+            if math.isnan(rate) or math.isnan(slo_scale):
+                current().blocked()  # asked at a stand-in of a pending search
             cfg = self.cfg.replace(policy=policy, rate_scale=rate / self.base_rate)
-            p = run_point(cfg, self._with_slo(slo_scale), self.cost, flowprefill)
+            w = self._with_slo(slo_scale)
+            p = current().value(("run_point", cfg.as_dict(), repr(flowprefill), digest(w), repr(self.cost)),
+                                run_point, cfg, w, self.cost, flowprefill)
             self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s, SLO x{slo_scale:g}", p.wall_s,
                               p.error, p.events)
             if self.log is not None:
@@ -177,7 +182,14 @@ def threshold_search(f: Callable[[float], float], grid: Sequence[float], target:
     harder = (lambda x: x * 2) if find == "max" else (lambda x: x / 2)
     easier = (lambda x: x / 2) if find == "max" else (lambda x: x * 2)
     pts = sorted(grid, reverse=(find == "min"))  # easy end first
-    flags = [ok(x) for x in pts]
+    flags, pending = [], None
+    for x in pts:  # every grid point is asked for before any is waited on (parallel sweeps)
+        try:
+            flags.append(ok(x))
+        except Pending as e:
+            pending = e
+    if pending is not None:
+        raise pending
     good = bad = None
     for x, passed in zip(pts, flags):
         if not passed:

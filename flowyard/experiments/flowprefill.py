@@ -12,6 +12,7 @@ The runs live here; the write-up (tables, figures, the paper's numbers) in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from flowyard.experiments.common import (
 )
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.sim.run import SimConfig, build_cost_model
+from flowyard.sweep import current
 from flowyard.workloads import Workload
 from flowyard.workloads.multitask import qwentrace_like
 
@@ -154,15 +156,16 @@ def prefill_capacity(sc: Scenario) -> float:
 
 def goodput(sc: Scenario, policy: str, grid: list[float], tol: float,
             fp: FlowPrefillConfig | None = None, label: str | None = None) -> Threshold:
-    return threshold_search(lambda r: sc.point(policy, r, flowprefill=fp, label=label).attainment,
-                            grid, TARGET, find="max", tol=tol)
+    return current().attempt(lambda: threshold_search(
+        lambda r: sc.point(policy, r, flowprefill=fp, label=label).attainment, grid, TARGET, find="max", tol=tol),
+        Threshold(math.nan))  # a stand-in while runs are pending (parallel sweeps)
 
 
 def min_slo(sc: Scenario, policy: str, rate: float, grid: tuple[float, ...], tol: float,
             fp: FlowPrefillConfig | None = None, label: str | None = None) -> Threshold:
-    return threshold_search(
+    return current().attempt(lambda: threshold_search(
         lambda k: sc.point(policy, rate, slo_scale=k, flowprefill=fp, label=label).attainment,
-        grid, TARGET, find="min", tol=tol)
+        grid, TARGET, find="min", tol=tol), Threshold(math.nan))
 
 
 def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Results:

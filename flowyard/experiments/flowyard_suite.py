@@ -27,6 +27,7 @@ from flowyard.experiments.common import Log, Stopwatch, Tally, Threshold, stderr
 from flowyard.policies.flowyard_policy import FlowyardConfig
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload, policy_options
 from flowyard.sim.simulator import SimulationError
+from flowyard.sweep import current, digest
 from flowyard.workloads import (Workload, clip, load_trace, mix, multi_turn_sessions, reasoning_like,
                                 slo_by_length, with_slo)
 
@@ -187,6 +188,24 @@ class Results:
     tally: Tally | None = None
 
 
+def run_fpoint(cfg: SimConfig, w: Workload, cost: CostModel, knobs: dict | None) -> "FPoint":
+    """One simulation of the suite (module level: a parallel sweep runs it in a worker)."""
+    from flowyard.policies.registry import build_policy
+
+    extra = {} if knobs is None else {"flowyard": FlowyardConfig(**knobs)}
+    policy_obj = build_policy(cfg.policy, policy_options(cfg, cost, **extra))
+    sim = build_simulator(cfg, w, cost_model=cost, policy=policy_obj)
+    try:
+        res = sim.run()
+    except SimulationError as e:
+        nan = math.nan
+        return FPoint(nan, nan, nan, nan, 0, 0.0, 0.0, error=f"{type(e).__name__}: {e}")
+    s = summarize(res.states, policy=cfg.policy, wall_s=res.wall_s)
+    router = getattr(policy_obj.global_scheduler, "dispatcher", None)
+    switches, dis = _regime_time(router, s.duration_s, min(st.req.arrival for st in res.states))
+    return FPoint(s.slo_attainment, s.throughput_rps, s.ttft["p90"], s.tpot["p90"], switches, float(dis), res.wall_s)
+
+
 class Row_:
     """One (workload, SLO) row: its cluster, workload and memoised points."""
 
@@ -203,25 +222,13 @@ class Row_:
         key = (policy, round(rate, 9), tuple(sorted((knobs or {}).items())))
         if key in self._cache:
             return self._cache[key]
+        if math.isnan(rate):
+            current().blocked()  # asked at a stand-in of a pending search
         cfg = SimConfig(trace=self.spec.key, model=MODEL, hardware=HARDWARE, tp=TP, instances=INSTANCES, policy=policy,
                         rate_scale=rate / self.base_rate, seed=self.seed, prefix_caching=self.spec.prefix_caching)
-        extra = {}
-        if knobs is not None:
-            extra["flowyard"] = FlowyardConfig(**knobs)
-        from flowyard.policies.registry import build_policy
-
-        policy_obj = build_policy(policy, policy_options(cfg, self.cost, **extra))
-        sim = build_simulator(cfg, self.window(rate), cost_model=self.cost, policy=policy_obj)
-        try:
-            res = sim.run()
-        except SimulationError as e:
-            nan = math.nan
-            p = FPoint(nan, nan, nan, nan, 0, 0.0, 0.0, error=f"{type(e).__name__}: {e}")
-        else:
-            s = summarize(res.states, policy=policy, wall_s=res.wall_s)
-            router = getattr(policy_obj.global_scheduler, "dispatcher", None)
-            switches, dis = _regime_time(router, s.duration_s, min(st.req.arrival for st in res.states))
-            p = FPoint(s.slo_attainment, s.throughput_rps, s.ttft["p90"], s.tpot["p90"], switches, float(dis), res.wall_s)
+        w = self.window(rate)
+        p = current().value(("flowyard_point", cfg.as_dict(), repr(knobs), digest(w), repr(self.cost)),
+                            run_fpoint, cfg, w, self.cost, knobs)
         self.tally.record(f"{self.name}, {label or policy}, {rate:.3f} req/s", p.wall_s, p.error)
         if self.log is not None:
             self.log(f"  {self.name:>34} {label or policy:>36}  rate {rate:8.3f}  attainment {p.attainment:6.1%}"
@@ -242,9 +249,12 @@ class Row_:
         return self._windows[n]
 
     def search(self, policy: str, s: Settings, knobs: dict | None = None, label: str | None = None) -> Search:
-        t = threshold_search(lambda r: self.point(policy, r, knobs, label).attainment, self.spec.grid, TARGET,
-                             find="max", tol=s.tol, extend=s.extend)
-        return Search(t, {x: self.point(policy, x, knobs, label) for x, _ in t.curve})
+        def run() -> Search:
+            t = threshold_search(lambda r: self.point(policy, r, knobs, label).attainment, self.spec.grid, TARGET,
+                                 find="max", tol=s.tol, extend=s.extend)
+            return Search(t, {x: self.point(policy, x, knobs, label) for x, _ in t.curve})
+
+        return current().attempt(run, Search(Threshold(math.nan), {}))  # a stand-in while runs are pending
 
 
 def max_requests(spec: WorkloadSpec, s: Settings) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flowyard.cluster.index import INDEX_MIN
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
@@ -98,6 +99,7 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         self._start: float | None = None
         self._last_tick: float | None = None
         self._rr = [0, 0]
+        self._indexed: dict[str, int] = {}  # index name -> pools.version its members follow
 
     # -- helpers ---------------------------------------------------------------------------
     def max_running_tokens(self, tpot: float) -> int:
@@ -146,6 +148,28 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         start = self.pools.home if self.pools is not None else {}
         return min(ids, key=lambda i: (key(i), home is not None and start.get(i) is not home, i)) if ids else None
 
+    def _least_delay(self, view: ClusterView, pool: Pool) -> tuple[float, int] | None:
+        """(predicted queueing delay, instance) of the pool's least-delay instance, ties to the
+        lowest id (a delay changes only when the instance's queue does)."""
+        return self._least(view, pool, self.delay)
+
+    def _least(self, view: ClusterView, pool: Pool, score) -> tuple[float, int] | None:
+        """(score, instance) of the pool's lowest-scored instance, ties to the lowest id: from
+        the executor's index if it keeps one (`flowyard.cluster.index`; a decode load grows
+        during decode runs, so it is read as a growing score), else from every member's
+        snapshot."""
+        pools = self.pools
+        assert pools is not None
+        ranked = getattr(view, "ranked", None)
+        if ranked is None or pools.count(pool) < INDEX_MIN:  # a scan is cheaper for a few
+            return min(((score(view.snapshot(i)), i) for i in pools.members(pool)), default=None)
+        name = f"{self.name}:{getattr(score, '__name__', 'score')}:{pool.value}:{id(self)}"
+        idx = ranked(name, score)
+        if self._indexed.get(name) != pools.version:  # follow the pool's membership after flips
+            idx.set_members(pools.members(pool))
+            self._indexed[name] = pools.version
+        return idx.least_growing() if score is _load else idx.least_key()
+
     def _round_robin(self, ids: list[int], k: int) -> int:
         pick = ids[self._rr[k] % len(ids)]
         self._rr[k] += 1
@@ -190,16 +214,15 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
             self._ttft = req.slo.ttft
         if self.cfg.mode == "rr":
             return self._round_robin(pools.members(*PREFILL_SIDE), 0)
-        delay = {i: self.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE)}
-        t1 = self._argmin(pools.members(Pool.P), delay.__getitem__)
-        t2 = self._argmin(pools.members(Pool.D2P), delay.__getitem__)
+        k1, k2 = self._least_delay(view, Pool.P), self._least_delay(view, Pool.D2P)
+        t1, t2 = (k1[1] if k1 else None), (k2[1] if k2 else None)
         if self.cfg.mode == "minload":
             return t1 if t1 is not None else t2
         budget = (req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo) - (now - req.arrival)
         need = self.ttft(req.prompt_len)
-        for t in (t1, t2):
-            if t is not None and delay[t] + need <= budget:
-                return t
+        for k in (k1, k2):
+            if k is not None and k[0] + need <= budget:
+                return k[1]
         tpot = req.slo.tpot if req.slo.tpot is not None else self.cfg.tpot_slo
         side = [view.snapshot(i) for i in pools.members(*DECODE_SIDE)]
         if self.decode_load(side, tpot, spare=1) <= self.cfg.decode_low:
@@ -217,9 +240,9 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
             return src  # its prefill instance now decodes: no KV to move
         if self.cfg.mode == "rr":
             return self._round_robin(pools.members(*DECODE_SIDE), 1)
-        tokens = {i: _load(view.snapshot(i)) for i in pools.members(*DECODE_SIDE)}
-        t1 = self._argmin(pools.members(Pool.D), tokens.__getitem__)
-        t2 = self._argmin(pools.members(Pool.P2D), tokens.__getitem__)
+        k1, k2 = self._least(view, Pool.D, _load), self._least(view, Pool.P2D, _load)
+        t1, t2 = (k1[1] if k1 else None), (k2[1] if k2 else None)
+        tokens = {k[1]: k[0] for k in (k1, k2) if k is not None}
         if self.cfg.mode == "minload":
             return t1 if t1 is not None else (t2 if t2 is not None else src)
         tpot = state.req.slo.tpot if state.req.slo.tpot is not None else self.cfg.tpot_slo

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
+from flowyard.cluster.index import least
 from flowyard.core.request import Request, RequestState
 from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot, Role
 from flowyard.policies.pools import Pools
@@ -175,7 +176,9 @@ class LeastScoreDispatch:
         self.score = score
 
     def route(self, req: Request, view: ClusterView, now: float) -> int | None:
-        return argmin(view, entry(view), SCORES[self.score])
+        # these scores change only when an instance's scheduler does: an executor's index
+        # answers in O(log n) (`flowyard.cluster.index`), else every snapshot is read
+        return least(view, f"entry:{self.score}", SCORES[self.score], lambda: entry(view))
 
 
 def _decode_load(s: InstanceSnapshot) -> tuple[float, int]:

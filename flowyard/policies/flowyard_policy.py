@@ -50,7 +50,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from flowyard.core.plan import BatchShape
+from flowyard.costmodel.roofline import RooflineCostModel
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "colocated", "disaggregated")
 MAX_SESSIONS = 65536
+VECTOR_MIN = 16  # instances from which the colocated dispatch prices decode steps in one array call
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +190,8 @@ class FlowyardRouter(RegimeControl):
               and delay[i] <= best + self.cfg.delay_tolerance * ttft]
         if not ok or self.cfg.dispatch == "delay":
             return min(cands, key=lambda i: (delay[i], snaps[i].running_tokens + snaps[i].incoming_tokens, i))
-        return min(ok, key=lambda i: (self._decode_step(snaps[i], req.prompt_len), delay[i], i))
+        steps = self._decode_steps([snaps[i] for i in ok], req.prompt_len)
+        return min(zip(steps, (delay[i] for i in ok), ok))[2]
 
     def _delays(self, req: Request, snaps: dict, now: float) -> dict[int, float]:
         """Predicted wait of req's prefill on each instance: the work its queue order puts
@@ -194,7 +199,20 @@ class FlowyardRouter(RegimeControl):
         if self.cfg.order != "s-edf" or not self.cfg.delay_ahead:
             return {i: self.arrow.delay(s) for i, s in snaps.items()}
         due = deadline(req)  # inf without a TTFT SLO: S-EDF ranks it after everything queued
-        return {i: self.arrow.ttft.delay_ahead(s, self.cfg.chunk, due, now) for i, s in snaps.items()}
+        ahead, chunk = self.arrow.ttft.delay_ahead, self.cfg.chunk
+        # an empty prefill queue waits for nothing (most instances, most of the time)
+        return {i: ahead(s, chunk, due, now) if s.prefill_queue else 0.0 for i, s in snaps.items()}
+
+    def _decode_steps(self, snaps: list, prompt: int) -> list[float]:
+        """`_decode_step` of each snapshot; one element-wise roofline call for many instances
+        (the same float expression per element, so the same numbers as one call each)."""
+        if len(snaps) < VECTOR_MIN or type(self.predictor) is not RooflineCostModel:
+            return [self._decode_step(s, prompt) for s in snaps]
+        n = np.fromiter((s.num_running + s.num_waiting + s.num_migrating_in + 1 for s in snaps), dtype=np.int64,
+                        count=len(snaps))
+        ctx = np.fromiter((float(s.running_tokens + s.waiting_tokens + s.incoming_tokens + prompt) for s in snaps),
+                          dtype=float, count=len(snaps))
+        return self.predictor.step_time(BatchShape(decode_seqs=n, decode_ctx=ctx)).tolist()
 
     def _decode_step(self, s, prompt: int) -> float:
         """Predicted decode step of an instance once everything on it (and this prompt) decodes."""

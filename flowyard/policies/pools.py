@@ -30,6 +30,10 @@ class Pools:
     home: dict[int, Hashable] = field(default_factory=dict)  # pool in the initial split
     moves: list[tuple[float, int, Hashable, Hashable]] = field(default_factory=list)  # (t, inst, from, to)
     flipped_at: dict[int, float] = field(default_factory=dict)  # last flip (not settle) of each
+    # sorted members of each asked-for combination of pools, until the next move: policies ask
+    # on every arrival, and a sort of every instance each time grows with the cluster
+    _members: dict[tuple, list[int]] = field(default_factory=dict, repr=False, compare=False)
+    version: int = 0  # moves so far (flips and settles): indexes over pools follow it
 
     @classmethod
     def split(cls, ids: Sequence[int], sizes: Sequence[tuple[Hashable, int]]) -> "Pools":
@@ -45,7 +49,16 @@ class Pools:
         return cls(of, dict(of))
 
     def members(self, *pools: Hashable) -> list[int]:
-        return sorted(i for i, p in self.of.items() if p in pools)
+        return list(self._sorted(pools))
+
+    def count(self, *pools: Hashable) -> int:
+        return len(self._sorted(pools))
+
+    def _sorted(self, pools: tuple) -> list[int]:
+        cached = self._members.get(pools)
+        if cached is None:
+            cached = self._members[pools] = sorted(i for i, p in self.of.items() if p in pools)
+        return cached
 
     def move(self, i: int, to: Hashable, now: float, flip: bool = True) -> Hashable:
         """Put instance i in pool `to` (recorded if it changes); a flip restarts its cool-down."""
@@ -55,6 +68,8 @@ class Pools:
                 self.flipped_at[i] = now
             self.of[i] = to
             self.moves.append((now, i, frm, to))
+            self._members.clear()
+            self.version += 1
         return to
 
     def since_flip(self, i: int, now: float) -> float:

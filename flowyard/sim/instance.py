@@ -15,7 +15,8 @@ class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
     __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
-                 "suspend_at", "timer_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started")
+                 "suspend_at", "timer_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started",
+                 "snap")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -33,6 +34,7 @@ class SimInstance:
         self.shape_done = 0  # its steps already counted in `work`
         self.kv_since, self.kv_used = 0.0, 0  # KV blocks held since then (for work.kv_block_s)
         self.started = 0.0  # when the run in flight (or its uncommitted rest) started, for timelines
+        self.snap = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
 
     def settle(self, now: float) -> None:
         """Integrate the KV held since the last change of step (a launch or a completion)."""

@@ -22,6 +22,7 @@ from flowyard.sim.arrivals import ClosedLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator
 from flowyard.workloads import Workload, clip, load_trace, scale_rate, slo_by_length, with_slo
+from flowyard.workloads.scale import mixed, tile
 
 # SLOs a bundled trace carries unless the command line overrides them: Arrow's Table 1
 # (Llama-3.1-8B; TTFT s, TPOT s) for the traces it uses; ShareGPT as a conversation trace and
@@ -70,6 +71,10 @@ class SimConfig:
     concurrency: int | None = None
     think_time: float = 0.0
     calibration: str = DEFAULT_CALIBRATION  # roofline factor set (costmodel.CALIBRATIONS); `flowyard validate`
+    # Large workloads (`flowyard.workloads.scale`): other traces superposed on this one
+    # ("NAME[:SCALE],..."), then the result repeated `tile` times back to back.
+    mix: str | None = None
+    tile: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -83,6 +88,8 @@ class SimConfig:
             raise ValueError(f"--rate-scale must be positive, got {self.rate_scale}")
         if self.duration is not None and not self.duration > 0:
             raise ValueError(f"--duration must be positive, got {self.duration}")
+        if self.tile < 1:
+            raise ValueError(f"--tile must be at least 1, got {self.tile}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
         if not (self.think_time >= 0 and math.isfinite(self.think_time)):
@@ -96,6 +103,15 @@ class SimConfig:
     def replace(self, **changes) -> "SimConfig":
         return dataclasses.replace(self, **changes)
 
+    def as_dict(self) -> dict:
+        """The settings for JSON reports; the large-workload knobs only when used, so a run
+        without them writes what it wrote before they existed."""
+        d = dataclasses.asdict(self)
+        for k, default in (("mix", None), ("tile", 1)):
+            if d[k] == default:
+                del d[k]
+        return d
+
 
 def load_workload(cfg: SimConfig) -> Workload:
     """The trace with the default SLOs, duration clip and SLO overrides applied, unscaled.
@@ -103,18 +119,28 @@ def load_workload(cfg: SimConfig) -> Workload:
     Clipping is in trace time (before rate scaling), so a rate sweep replays the same
     requests faster or slower, as in Arrow's method.
     """
-    w = load_trace(cfg.trace, rate=cfg.rate, seed=cfg.seed, num_requests=cfg.num_requests)
-    default = DEFAULT_SLOS.get(cfg.trace.strip().lower())
-    if default is not None and all(r.slo.empty for r in w.requests):
-        w = with_slo(w, ttft=default.ttft, tpot=default.tpot)
+    w = _trace(cfg, cfg.trace)
     if cfg.duration is not None or cfg.num_requests is not None:
         w = clip(w, duration=cfg.duration, max_requests=cfg.num_requests)
+    if cfg.mix:
+        w = mixed(w, cfg.mix, lambda name: _trace(cfg, name))
+    if cfg.tile > 1:
+        w = tile(w, cfg.tile)
     if cfg.ttft_slo_by_length:
         w = slo_by_length(w, cfg.ttft_slo_by_length)
     if cfg.ttft_slo is not None or cfg.tpot_slo is not None:
         w = with_slo(w, ttft=cfg.ttft_slo, tpot=cfg.tpot_slo)
     if not w.requests:
         raise ValueError(f"trace {cfg.trace!r} has no requests in the chosen window")
+    return w
+
+
+def _trace(cfg: SimConfig, name: str) -> Workload:
+    """One trace with its default SLOs (when it carries none)."""
+    w = load_trace(name, rate=cfg.rate, seed=cfg.seed, num_requests=cfg.num_requests)
+    default = DEFAULT_SLOS.get(name.strip().lower())
+    if default is not None and all(r.slo.empty for r in w.requests):
+        w = with_slo(w, ttft=default.ttft, tpot=default.tpot)
     return w
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from flowyard.cluster.core import ClusterCore, DecisionLog
+from flowyard.cluster.index import RankedInstances, Score, Touched
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
@@ -81,6 +82,12 @@ class Simulator:
         # global policies see snapshots up to this old, as from a runtime's periodic reports
         self.snapshot_staleness = snapshot_staleness
         self._snap_cache: dict[int, tuple[float, InstanceSnapshot]] = {}
+        # score-ordered instance indexes for global policies (`flowyard.cluster.index`): every
+        # change of an instance's scheduler touches them. Stale snapshots change without a
+        # touch (when they expire), so policies scan instead.
+        self._touched = Touched(self.snapshot)
+        if snapshot_staleness > 0:
+            self.ranked = None  # type: ignore[assignment]
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
         kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
         # All instances time-share one device (several engines stepped in turn by one thread,
@@ -115,6 +122,9 @@ class Simulator:
 
     instances_of = instance_ids
 
+    def ranked(self, name: str, score: Score, ids=tuple) -> RankedInstances:  # type: ignore[no-redef]
+        return self._touched.ranked(name, score, ids)
+
     def snapshot(self, instance: int) -> InstanceSnapshot:
         if self.snapshot_staleness > 0:
             cached = self._snap_cache.get(instance)
@@ -122,10 +132,17 @@ class Simulator:
                 return cached[1]
         inst = self.instances[instance]
         self._sync(inst)
-        snap = inst.sched.snapshot()
+        snap = inst.snap  # the same snapshot while the scheduler has not changed
+        if snap is None:
+            snap = inst.snap = inst.sched.snapshot()
         if self.snapshot_staleness > 0:
             self._snap_cache[instance] = (self.now, snap)
         return snap
+
+    def _changed(self, inst: SimInstance) -> None:
+        """inst's scheduler state changed: its snapshot and its index keys are out of date."""
+        inst.snap = None
+        self._touched.touch(inst.id)
 
     def _sync(self, inst: SimInstance) -> None:
         """Commit the steps of a decode run that ended before now, so the instance's state is
@@ -141,6 +158,7 @@ class Simulator:
                 self.timeline.step(inst.id, inst.started, float(ends[done - 1]), inst.plan, done)
                 inst.started = float(ends[done - 1])
             inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
+            self._changed(inst)
             inst.ends = ends[done:]
             inst.account(done)
             self.steps += done
@@ -216,22 +234,28 @@ class Simulator:
         if st.split_to is not None:  # a micro-request: its first segment's KV will be pushed
             self.kv_push.split(st)
         inst = self.instances[instance]
-        if not inst.sched.add_request(st, now):
+        ok = inst.sched.add_request(st, now)
+        self._changed(inst)
+        if not ok:
             return False
         plan = inst.plan
         if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
             if inst.sched.preempt_check(now):
                 self._preempt(inst, plan)
+            self._changed(inst)
         self._kick(inst)
         return True
 
     def hand_off(self, instance: int, st: RequestState) -> bool:
-        return self.instances[instance].sched.hand_off(st.id) is not None
+        inst = self.instances[instance]
+        self._changed(inst)
+        return inst.sched.hand_off(st.id) is not None
 
     def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
         self.kv_push.handed_off(st)
         target = self.instances[dst]
         target.sched.add_migration(st, now)
+        self._changed(target)
         self._interrupt(target)
         self._start_transfers(target)
 
@@ -265,6 +289,7 @@ class Simulator:
         ends = inst.ends[:steps]
         inst.plan = None
         inst.bounds = None
+        self._changed(inst)
         if self.timeline is not None:
             self.timeline.step(inst.id, inst.started, self.now, plan, steps, preempted=inst.suspend_at >= 0)
         if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
@@ -287,6 +312,7 @@ class Simulator:
         self._kick(inst)
 
     def _start_transfers(self, dst: SimInstance) -> None:
+        self._changed(dst)
         for st in dst.sched.admit_migrations(self.now):
             src = st.instance
             assert src is not None
@@ -307,9 +333,11 @@ class Simulator:
     def _kv_landed(self, st: RequestState, src: int, dst: int) -> None:
         source = self.instances[src]
         source.sched.release(st.id)
+        self._changed(source)
         self._kick(source)
         target = self.instances[dst]
         target.sched.migration_arrived(st, self.now)
+        self._changed(target)
         self._kick(target)
 
     def _interrupt(self, inst: SimInstance) -> bool:
@@ -326,6 +354,7 @@ class Simulator:
                 self._device_free = float(ends[cut - 1])
                 inst.version += 1
                 inst.sched.shorten(inst.plan, cut)
+                self._changed(inst)
                 self._push(float(inst.ends[-1]), STEP, (inst, inst.version))
         return True
 
@@ -367,6 +396,7 @@ class Simulator:
         if inst.plan is not None:
             return
         plan = inst.sched.schedule(self.now)
+        self._changed(inst)
         if plan is None:
             wake = inst.sched.wake_at(self.now)
             if wake is not None and wake > self.now and (inst.timer_at is None or wake < inst.timer_at):
