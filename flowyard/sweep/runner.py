@@ -120,7 +120,9 @@ class Sweep:
 
     # -- Ray ----------------------------------------------------------------------------------
     def _compute(self, wanted: dict) -> None:
-        import ray
+        from flowyard.optional import require
+
+        ray = require("ray", "sweeps on Ray (--ray, --ray-address)")
 
         if not ray.is_initialized():
             if self.ray_address is not None:
