@@ -117,6 +117,11 @@ class ClusterCore:
         """Route a new request, split it if the policy says so, and queue it. Returns the
         instance, or None when it was rejected (st.reject_reason says why)."""
         gs, log = self.gs, self.log
+        if not any(self.policy.roles[i] is not Role.DECODE for i in self.transport.instance_ids()):
+            st.reject_reason = "no live instance can take a new request (one is restarting); retry"
+            if log is not None:
+                log.add(now, "reject", st.id, detail=st.reject_reason)
+            return None
         dst, split = gs.dispatch(st.req, self, now)
         self._log_flips()
         if dst is not None and not self._is_live(dst):  # a policy that kept its own view (pools)

@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._error: str | None = None
         self._deferred: list[tuple] = []  # commands met at an operator boundary, for after the step
+        self._polled = 0.0  # when the idle loop last ran `poll`
         if hasattr(engine, "boundary_hook"):
             engine.boundary_hook = self._admit_arrivals
         if start:
@@ -119,6 +120,7 @@ class AsyncLLMEngine:
         poll = getattr(self.engine, "poll", None)
         if poll is None:
             return
+        self._polled = time.monotonic()
         try:
             for out in poll():
                 self._deliver(out)
@@ -188,10 +190,13 @@ class AsyncLLMEngine:
             for cmd in deferred:
                 self._apply(cmd)
             if not self.engine.has_unfinished():
+                # idle, or only refusing requests (say, while every prefill instance restarts):
+                # still look after the instances, however often commands come
+                if time.monotonic() - self._polled >= self.POLL_S:
+                    self._poll()
                 try:
                     self._apply(self._commands.get(timeout=self.POLL_S))
                 except queue.Empty:
-                    self._poll()
                     continue
             while True:  # take every pending add/abort before the next step
                 try:
