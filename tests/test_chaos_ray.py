@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,7 +119,8 @@ async def chaos(client: AsyncLLMEngine, cluster, timeline: Timeline, name: str) 
     after = [asyncio.create_task(asyncio.wait_for(one(client, f"n{i}", SHORT, i=i), HANG_S)) for i in range(4)]
     results = await asyncio.gather(*tasks)
     new = [s for s, _ in await asyncio.gather(*after)]
-    first_ok = await until_ok(client, "first", killed + REJOIN_S + SERVE_AFTER_REJOIN_S)
+    await until_ok(client, "first", killed + REJOIN_S + SERVE_AFTER_REJOIN_S)
+    first_ok = time.monotonic() - killed  # a retrying client's first success, from the kill
     await wait_for(lambda: states(client) == ["serving"] * 2, REJOIN_S, "the replacement")
     t_up = time.monotonic()
     serve_again = await until_ok(client, "up", t_up + SERVE_AFTER_REJOIN_S)
@@ -148,6 +151,24 @@ async def chaos(client: AsyncLLMEngine, cluster, timeline: Timeline, name: str) 
 VICTIM = {"vllm": 1, "distserve": 0, "flowprefill": 1, "pla": 0, "pla-mix": 1, "arrow": 1, "dynaserve": 0,
           "flowyard": 1}
 CI_POLICIES = list(VICTIM)
+COLUMNS = ("policy", "victim", "kill_after_tokens", "in_flight_ok", "in_flight_retry", "new_ok_at_once",
+           "new_retry_at_once", "first_success_s", "rejoin_s", "serve_after_rejoin_s", "idle_death_noticed_s",
+           "idle_request")
+
+
+def report(path: Path, out: dict) -> None:
+    """One markdown row per policy (FLOWYARD_CHAOS_REPORT=path): what docs/faults.md quotes."""
+    if not path.exists():
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        path.write_text(f"# Ray chaos test, measured at {rev}{' (uncommitted changes)' if dirty else ''}\n\n"
+                        f"`FLOWYARD_CHAOS_ALL=1 FLOWYARD_CHAOS_REPORT={path} pytest tests/test_chaos_ray.py`: "
+                        f"tiny model, 2 Ray actors, {STREAMS} streams of {PARAMS.max_tokens} tokens; 4 new "
+                        "requests right at the kill; times in seconds from the kill.\n\n"
+                        "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+    with path.open("a") as f:
+        f.write("| " + " | ".join(str(out[c]) for c in COLUMNS) + " |\n")
 CHAOS_POLICIES = POLICY_NAMES if os.environ.get("FLOWYARD_CHAOS_ALL") else CI_POLICIES
 
 
@@ -163,6 +184,8 @@ def test_chaos_kill_one_actor_under_streaming_load(name, tiny, ray_session):
     try:
         out = asyncio.run(chaos(client, cluster, timeline, name))
         print("\nCHAOS", out)
+        if os.environ.get("FLOWYARD_CHAOS_REPORT"):
+            report(Path(os.environ["FLOWYARD_CHAOS_REPORT"]), out)
         assert out["in_flight_ok"] + out["in_flight_retry"] == STREAMS
         assert out["idle_request"] in ("ok", "retry")
         kinds = timeline.kinds()
