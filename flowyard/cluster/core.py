@@ -52,8 +52,9 @@ class Transport(Protocol):
 class Decision:
     """One scheduling decision. kind: route, reject, split, handoff, decode, migrate, flip,
     preempt, reroute (the policy chose a dead instance; src is it, dst where the work went
-    instead), down and up (an instance died / its replacement rejoined). request: the request id (-1 for instance decisions such as flips); src/dst:
-    instances; detail: the split point, a pool name, ..."""
+    instead), down and up (an instance died / its replacement rejoined). request: the request
+    id (-1 for instance decisions such as flips); src/dst: instances; detail: the split point,
+    a pool name, ..."""
 
     t: float
     kind: str
