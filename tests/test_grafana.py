@@ -67,3 +67,67 @@ def test_dashboard_queries_are_well_formed(tmp_path):
                 assert 0 < float(q[0]) < 1 and q[1].endswith("_bucket"), (p["title"], q)
     var = dash["templating"]["list"][0]["query"]
     assert re.match(r"label_values\(([a-z_:]+), model_name\)", var).group(1) in have
+
+
+# vLLM's own names (V1 engine, docs/design/metrics.md of vllm-project/vllm): what a vLLM
+# dashboard or a vLLM-aware router reads, each with the same meaning and unit here.
+VLLM_NAMES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket",
+}
+FLOWYARD_ONLY = ("slo_attained", "slo_violated", "preemption_blocking_seconds", "num_preemptions",
+                 "engine_cpu_threads")
+
+
+def test_vllm_names_are_exported_beside_flowyards(tmp_path):
+    have = exported(tmp_path)
+    assert not VLLM_NAMES - have, sorted(VLLM_NAMES - have)
+    # every vllm: series has its flowyard: twin, and the other way round except flowyard's own
+    assert {n.replace("vllm:", "flowyard:") for n in have if n.startswith("vllm:")} <= have
+    own = {n for n in have if n.startswith("flowyard:") and not n.startswith(tuple("flowyard:" + f for f in FLOWYARD_ONLY))}
+    assert {n.replace("flowyard:", "vllm:") for n in own} <= have
+
+
+def test_the_dashboard_reads_a_flowyard_server_under_vllm_names_too(tmp_path):
+    """The shipped dashboard with `flowyard:` replaced by `vllm:` (what a vLLM dashboard asks
+    for) finds every panel's series except flowyard's own SLO and preemption panels."""
+    dash = json.loads(DASHBOARD.read_text())
+    have = exported(tmp_path)
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            e = t["expr"]
+            if any(f in e for f in FLOWYARD_ONLY):
+                continue
+            names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", e.replace("flowyard:", "vllm:")))
+            assert names and names <= have, (p["title"], sorted(names - have))
+
+
+def test_phase_histograms_add_up(tmp_path):
+    """queue + prefill + decode = e2e within the server's overhead; inference = prefill + decode."""
+    engine = AsyncLLMEngine(LLMEngine(*tiny_model(tmp_path), EngineConfig(kv_cache_tokens=1024)))
+    try:
+        with TestClient(build_app(engine)) as client:
+            for _ in range(3):
+                assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}).status_code == 200
+            text = client.get("/metrics").text
+    finally:
+        engine.shutdown()
+
+    def total(name: str) -> float:
+        return float(re.search(rf"^vllm:{name}_sum{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+    def count(name: str) -> float:
+        return float(re.search(rf"^vllm:{name}_count{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+    assert all(count(f"request_{k}_time_seconds") == 3 for k in ("queue", "prefill", "decode", "inference"))
+    assert count("request_generation_tokens") == 3 and total("request_generation_tokens") == 15
+    inference = total("request_inference_time_seconds")
+    assert abs(inference - total("request_prefill_time_seconds") - total("request_decode_time_seconds")) < 1e-6
+    assert total("request_queue_time_seconds") + inference <= total("e2e_request_latency_seconds") + 0.05

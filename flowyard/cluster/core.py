@@ -51,8 +51,10 @@ class Transport(Protocol):
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One scheduling decision. kind: route, reject, split, handoff, decode, migrate, flip,
-    preempt. request: the request id (-1 for instance decisions such as flips); src/dst:
-    instances; detail: the split point, a pool name, ..."""
+    preempt, reroute (the policy chose a dead instance; src is it, dst where the work went
+    instead), down and up (an instance died / its replacement rejoined). request: the request
+    id (-1 for instance decisions such as flips); src/dst: instances; detail: the split point,
+    a pool name, ..."""
 
     t: float
     kind: str
@@ -119,8 +121,17 @@ class ClusterCore:
         """Route a new request, split it if the policy says so, and queue it. Returns the
         instance, or None when it was rejected (st.reject_reason says why)."""
         gs, log = self.gs, self.log
+        if not any(self.policy.roles[i] is not Role.DECODE for i in self.transport.instance_ids()):
+            st.reject_reason = "no live instance can take a new request (one is restarting); retry"
+            if log is not None:
+                log.add(now, "reject", st.id, detail=st.reject_reason)
+            return None
         dst, split = gs.dispatch(st.req, self, now)
         self._log_flips()
+        if dst is not None and not self._is_live(dst):  # a policy that kept its own view (pools)
+            dst = self._live_substitute(st, dst, now, arrival=True)
+        if split and not self._is_live(split[1]):
+            split = None  # the partner is down: the request runs whole where it starts
         if dst is None:
             st.reject_reason = st.reject_reason or "rejected by the global scheduler"
             if log is not None:
@@ -151,11 +162,15 @@ class ClusterCore:
         moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
         for st, dst in moves:
             if dst is None:
-                self.transport.fail(instance, st, "every decode instance is down (restarting): the request cannot continue; retry")
+                self.transport.fail(instance, st, "no instance that can continue this request is up "
+                                                  "(one is restarting); retry")
         moves = [(st, dst) for st, dst in moves if dst is not None]
         if gs.routes_decode:
             for st in result.prefilled:
                 dst = gs.route_decode(st, instance, self, now)
+                if not self._is_live(dst):  # decode where it prefilled rather than on a dead instance
+                    self._reroute(st, dst, instance, now)
+                    dst = instance
                 if dst != instance and self.transport.hand_off(instance, st):
                     moves.append((st, dst))
                     if log is not None:
@@ -175,9 +190,43 @@ class ClusterCore:
             return None
         else:
             dst = self.gs.route_decode(st, src, self, now)
+        if not self._is_live(dst):
+            dst = self._live_substitute(st, dst, now, src=src)
+            if dst is None:
+                return None
         if self.log is not None:
             self.log.add(now, "handoff", st.id, src=src, dst=dst)
         return dst
+
+    # -- failures: a policy must never send work to a dead instance ----------------------------
+    def _is_live(self, i: int) -> bool:
+        return i in self.transport.instance_ids()
+
+    def _live_substitute(self, st: RequestState, dead: int, now: float, *, arrival: bool = False,
+                         src: int | None = None) -> int | None:
+        """The least loaded live instance that can do what `dead` was chosen for: one of its
+        role; failing that, for a new request, any live instance that prefills (not a decode
+        instance); for a hand-off, any other live instance that decodes (not a prefill one).
+        None: nothing live can (the caller rejects or fails the request, retryably)."""
+        roles = self.policy.roles
+        live = [i for i in self.transport.instance_ids() if i != src]
+        cands = [i for i in live if roles[i] is roles[dead]]
+        if not cands:
+            banned = Role.DECODE if arrival else Role.PREFILL
+            cands = [i for i in live if roles[i] is not banned]
+        if not cands and src is not None and roles[src] is not Role.PREFILL \
+                and getattr(self.transport, "moves_in_place", False):
+            cands = [src]  # the only live one: it goes on where its KV is
+        if not cands:
+            st.reject_reason = f"instance {dead} is down (restarting) and no live instance can take its place; retry"
+            return None
+        dst = min(cands, key=lambda i: (self.transport.snapshot(i).num_requests, i))
+        self._reroute(st, dead, dst, now)
+        return dst
+
+    def _reroute(self, st: RequestState, dead: int, dst: int, now: float) -> None:
+        if self.log is not None:
+            self.log.add(now, "reroute", st.id, src=dead, dst=dst, detail=f"instance {dead} is down")
 
     # -- migration and ticks -------------------------------------------------------------------
     def migrate(self, st: RequestState, src: int, dst: int, now: float, handed_off: bool = False) -> bool:

@@ -3,7 +3,8 @@
 Both executors feed the same recorder: the steps each instance ran, the KV transfers between
 instances, the cluster core's decisions (routes, splits, hand-offs, decode routes, migrations,
 flips, preemptions, rejections) and every request's span from arrival through its first token
-to its end. `flowyard simulate --timeline PATH` and `flowyard serve --timeline PATH` write it;
+to its end, whatever the end (finished, aborted, rejected, failed); an instance's death and
+its replacement's rejoining are instant events on that instance. `flowyard simulate --timeline PATH` and `flowyard serve --timeline PATH` write it;
 open the file in https://ui.perfetto.dev or chrome://tracing. Each instance is a process
 (its steps on one thread, its decisions and transfers on others); requests are threads of a
 "requests" process.
@@ -30,6 +31,8 @@ class Timeline:
     steps: list[tuple[int, float, float, str, dict]] = field(default_factory=list)
     transfers: list[tuple[int, int, int, float, float]] = field(default_factory=list)
     spans: list[tuple[int, int | None, float, float | None, float | None, str]] = field(default_factory=list)
+    # (time, instance, kind, detail): an instance died ("down") or its replacement rejoined ("up")
+    events: list[tuple[float, int, str, str]] = field(default_factory=list)
 
     def step(self, instance: int, start: float, end: float, plan: StepPlan, steps: int = 1,
              preempted: bool = False) -> None:
@@ -56,6 +59,15 @@ class Timeline:
         self.spans.append((st.id, st.instance, st.req.arrival, st.first_token_time, st.finish_time,
                            st.status.value))
 
+    def ended(self, st: RequestState, end: float, status: str) -> None:
+        """A request that ended abnormally where no step saw it end: aborted by its client,
+        rejected on arrival, or failed (its instance died, nowhere to continue)."""
+        self.spans.append((st.id, st.instance, st.req.arrival, st.first_token_time, end, status))
+
+    def instance_event(self, instance: int, kind: str, t: float, detail: str = "") -> None:
+        """An instance died ("down") or its replacement rejoined ("up")."""
+        self.events.append((t, instance, kind, detail))
+
     # -- output ---------------------------------------------------------------------------------
     def kinds(self) -> set[str]:
         """The kinds of event in the trace (what the two-executor test compares)."""
@@ -64,12 +76,12 @@ class Timeline:
             out.add("kv")
         if self.spans:
             out.add("request")
-        return out
+        return out | {kind for _, _, kind, _ in self.events}
 
     def to_chrome(self) -> dict:
         us = 1e6
         ev: list[dict] = []
-        instances = sorted({s[0] for s in self.steps} | set(self.roles)
+        instances = sorted({s[0] for s in self.steps} | set(self.roles) | {e[1] for e in self.events}
                            | {d.src for d in self.log.decisions if d.src is not None}
                            | {d.dst for d in self.log.decisions if d.dst is not None})
         for i in instances:
@@ -86,6 +98,10 @@ class Timeline:
             ev.append({"ph": "i", "s": "t", "cat": "decision", "name": d.kind, "ts": d.t * us,
                        "pid": REQUESTS_PID if where is None else where, "tid": DECISION_TID,
                        "args": {"request": d.request, "src": d.src, "dst": d.dst, "detail": d.detail}})
+        for t, inst, kind, detail in self.events:  # process-wide markers: a death is not one step's
+            name = {"down": "instance died", "up": "instance rejoined"}.get(kind, kind)
+            ev.append({"ph": "i", "s": "p", "cat": "instance", "name": name, "ts": t * us, "pid": inst,
+                       "tid": STEP_TID, "args": {"detail": detail}})
         for rid, src, dst, start, end in self.transfers:
             ev.append({"ph": "X", "cat": "kv", "name": f"KV of {rid} from {src}", "pid": dst, "tid": KV_TID,
                        "ts": start * us, "dur": max(0.0, end - start) * us, "args": {"request": rid, "src": src}})

@@ -117,6 +117,7 @@ class RequestState:
     status: Status = Status.WAITING
     first_token_time: float | None = None
     finish_time: float | None = None
+    first_scheduled: float | None = None  # when a step first took some of its prompt (vLLM's queue end)
     token_times: list[np.ndarray] = field(default_factory=list)
     preemptions: int = 0
     instance: int | None = None

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from flowyard.core.request import SLO
 from flowyard.engine.llm_engine import LLMEngine
-from flowyard.engine.protocol import EngineStats, QueueFullError
+from flowyard.engine.protocol import EngineStats, EngineUnavailableError, QueueFullError
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._error: str | None = None
         self._deferred: list[tuple] = []  # commands met at an operator boundary, for after the step
+        self._polled = 0.0  # when the idle loop last ran `poll`
         if hasattr(engine, "boundary_hook"):
             engine.boundary_hook = self._admit_arrivals
         if start:
@@ -57,7 +58,7 @@ class AsyncLLMEngine:
         session: str | None = None, task: str | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if self._error:
-            raise RuntimeError(f"engine failed: {self._error}")
+            raise EngineUnavailableError(f"engine failed: {self._error}", retry_after=30.0)
         with self._lock:
             if self.engine.num_waiting + self._pending >= self.max_waiting:
                 raise QueueFullError(
@@ -75,6 +76,8 @@ class AsyncLLMEngine:
             while True:
                 out: RequestOutput = await q.get()
                 if out.error:  # rejected at admission (bad input), or an engine/instance broke
+                    if out.retry_after is not None:  # not the request's fault: 503 + Retry-After
+                        raise EngineUnavailableError(out.error, out.retry_after)
                     raise (ValueError if out.finish_reason == "rejected" else RuntimeError)(out.error)
                 finished = out.finished
                 yield out
@@ -89,15 +92,40 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
 
     def stats(self) -> EngineStats:
+        """Healthy: the loop runs and some instance can take work (a cluster whose instances
+        are all restarting is not)."""
         e = self.engine
+        instances = e.instance_states() if hasattr(e, "instance_states") else [
+            {"instance": 0, "role": "mixed", "state": "serving", "running": e.num_running,
+             "waiting": e.num_waiting, "kv_usage": e.kv.usage}]
+        running = self._error is None and self._thread.is_alive()
+        if not running:
+            for inst in instances:
+                inst["state"] = "failed"
         return EngineStats(
             num_running=e.num_running, num_waiting=e.num_waiting + self._pending,
             kv_usage=e.kv.usage, prefix_cache_hit_rate=getattr(e.kv, "hit_rate", 0.0),
-            healthy=self._error is None and self._thread.is_alive(),
-            detail=self._error or getattr(e, "health_detail", ""),
+            prefix_cache_queries=getattr(e.kv, "queries", 0), prefix_cache_hits=getattr(e.kv, "hits", 0),
+            healthy=running and getattr(e, "accepting", True),
+            detail=self._error or getattr(e, "health_detail", ""), instances=instances,
             preemption=getattr(e, "preemption_stats", None),
             cpu_threads=getattr(e, "cpu_threads", None),
         )
+
+    #: How often an idle loop asks the engine to look after itself (`poll`: a cluster notices
+    #: dead instances and rejoining replacements without waiting for traffic).
+    POLL_S = 0.5
+
+    def _poll(self) -> None:
+        poll = getattr(self.engine, "poll", None)
+        if poll is None:
+            return
+        self._polled = time.monotonic()
+        try:
+            for out in poll():
+                self._deliver(out)
+        except Exception:  # noqa: BLE001 - a failed health check must not stop the loop
+            log.exception("engine poll failed")
 
     def run_forever(self, until=lambda: False) -> None:
         """Run the engine loop on this thread until `shutdown()` or `until()` is true (checked
@@ -124,6 +152,9 @@ class AsyncLLMEngine:
                 self._pending -= 1
             try:
                 self.engine.add_request(rid, prompt, params, slo, arrival=arrival, **fields)
+            except EngineUnavailableError as e:  # no live instance can take it now
+                self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=str(e),
+                                            retry_after=e.retry_after))
             except ValueError as e:
                 self._deliver(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(e)))
         elif cmd[0] == "abort":
@@ -159,8 +190,12 @@ class AsyncLLMEngine:
             for cmd in deferred:
                 self._apply(cmd)
             if not self.engine.has_unfinished():
+                # idle, or only refusing requests (say, while every prefill instance restarts):
+                # still look after the instances, however often commands come
+                if time.monotonic() - self._polled >= self.POLL_S:
+                    self._poll()
                 try:
-                    self._apply(self._commands.get(timeout=0.5))
+                    self._apply(self._commands.get(timeout=self.POLL_S))
                 except queue.Empty:
                     continue
             while True:  # take every pending add/abort before the next step
@@ -178,5 +213,6 @@ class AsyncLLMEngine:
                 log.exception("engine step failed")
                 self._error = f"{type(e).__name__}: {e}"
                 for rid in list(self._streams):
-                    self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=self._error))
+                    self._deliver(RequestOutput(rid, finished=True, finish_reason="error", error=self._error,
+                                                retry_after=30.0))
                 return

@@ -358,7 +358,17 @@ class LLMEngine:
         lps = t.logprobs[len(t.logprobs) - len(new_ids):] if t.params.logprobs is not None else None
         return RequestOutput(t.request_id, new_token_ids=list(new_ids), new_text=delta, finished=done,
                              finish_reason=reason, prompt_tokens=st.req.prompt_len,
-                             completion_tokens=st.num_output, logprobs=lps)
+                             completion_tokens=st.num_output, logprobs=lps,
+                             phases=self._phases(st) if done else None)
+
+    def _phases(self, st: RequestState) -> dict[str, float] | None:
+        """vLLM's request phases on this engine's clock (the request's own times)."""
+        sched, first = st.first_scheduled, st.first_token_time
+        if sched is None or first is None:
+            return None
+        end = st.finish_time if st.finish_time is not None else self.now()
+        return {"queue": max(0.0, sched - st.req.arrival), "prefill": max(0.0, first - sched),
+                "decode": max(0.0, end - first), "inference": max(0.0, end - sched)}
 
     def warm_up(self) -> None:
         """Run one tiny request through prefill and decode, so that the first client does not

@@ -6,7 +6,7 @@ or a test double can stand behind it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 from flowyard.core.request import SLO
@@ -31,14 +31,29 @@ class EngineStats:
     num_waiting: int
     kv_usage: float  # fraction of KV blocks in use
     prefix_cache_hit_rate: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_cache_hits: int = 0  # of which found
     healthy: bool = True
     detail: str = ""
+    # each instance: {"instance", "role", "state" ("serving" | "restarting"), "running", "waiting",
+    # "kv_usage"}: what /health shows a load balancer or an operator
+    instances: list[dict] = field(default_factory=list)
     preemption: object | None = None  # engine.preemption.PreemptionStats, when the engine preempts
     cpu_threads: int | None = None  # threads the steps run on, where they run in this process
 
 
 class QueueFullError(RuntimeError):
     """The engine's bounded queue is full: the server answers 429."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The request failed, or cannot start, because an instance died or none can take work
+    now; not the request's fault, so a retry after `retry_after` seconds should succeed. The
+    server answers 503 with Retry-After (load balancers and clients retry on it)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineClient(Protocol):

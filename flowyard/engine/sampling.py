@@ -62,6 +62,12 @@ class RequestOutput:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per new token: token id -> log-probability
+    # set on an error that is not the request's fault (its instance died, none can take it):
+    # seconds after which a retry should succeed; the server answers 503 with Retry-After
+    retry_after: float | None = None
+    # on the final output: seconds in each of vLLM's request phases, "queue" (arrival -> first
+    # scheduled), "prefill" (-> first token), "decode" (-> last token), "inference" (scheduled -> last)
+    phases: dict[str, float] | None = None
 
 
 def top_logprobs(logits: "torch.Tensor", rows: list[int], ks: list[int],

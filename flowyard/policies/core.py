@@ -120,6 +120,9 @@ class LocalCore(LocalScheduler):
         if not plan.prefills and self.selector.allows_run() and not self.migrations.fits(len(self.running)):
             plan.max_repeats = reserve_run(self.kv, plan.decodes, self.max_repeats, self.max_model_len)
             self._run = plan if plan.max_repeats > 1 else None
+        for s in plan.prefills:  # the end of its queueing (vLLM's request phases)
+            if s.state.first_scheduled is None:
+                s.state.first_scheduled = now
         self.selector.planned(plan, now)
         return plan
 

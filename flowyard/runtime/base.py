@@ -20,6 +20,8 @@ class KVUsage:
 
     usage: float
     hit_rate: float
+    queries: int = 0  # prompt tokens looked up in the instances' prefix caches
+    hits: int = 0
 
 
 class Sessions:
@@ -107,6 +109,16 @@ class ClusterBase:
         return 0.0
 
     @property
+    def accepting(self) -> bool:
+        """Some instance can take a new request (health checks read this)."""
+        return True
+
+    def instance_states(self) -> list[dict]:
+        """Each instance as /health shows it."""
+        return [{"instance": i, "role": self.policy.roles[i].value, "state": "serving", "running": s.num_running,
+                 "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4)} for i, s in enumerate(self.snapshots())]
+
+    @property
     def decisions(self) -> DecisionLog | None:
         return self.core.log
 
@@ -121,4 +133,9 @@ class ClusterBase:
     @property
     def kv(self) -> KVUsage:
         snaps = self.snapshots()
-        return KVUsage(sum(s.kv_usage for s in snaps) / len(snaps), self.prefix_hit_rate())
+        return KVUsage(sum(s.kv_usage for s in snaps) / len(snaps), self.prefix_hit_rate(),
+                       *self.prefix_counts())
+
+    def prefix_counts(self) -> tuple[int, int]:
+        """(queries, hits) of the prefix caches, in prompt tokens (0, 0 where not known)."""
+        return 0, 0

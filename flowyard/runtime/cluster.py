@@ -103,8 +103,10 @@ class LocalCluster(ClusterBase):
         engine = self.engines[instance]
         rid = engine.tracked_by_id(st.id).request_id
         engine.abort(rid)
+        if self.timeline is not None:
+            self.timeline.ended(st, self.now(), "failed")
         self._where.pop(rid, None)
-        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason))
+        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason, retry_after=1.0))
 
     def _admit(self, dst: LLMEngine) -> None:
         for st in dst.scheduler.admit_migrations(self.now()):
@@ -186,6 +188,8 @@ class LocalCluster(ClusterBase):
         finally:
             del self._new[t.state.id]
         if dst is None:
+            if self.timeline is not None:
+                self.timeline.ended(t.state, self.now(), "rejected")
             raise ValueError(t.state.reject_reason or "no instance can take this request now")
         self._where[request_id] = dst
 
@@ -200,6 +204,8 @@ class LocalCluster(ClusterBase):
             self.engines[home].scheduler.abort(tracked.state.id)
             self._kick(home)
         self._kick(where)  # the KV it frees may let queued work run
+        if tracked is not None and self.timeline is not None:
+            self.timeline.ended(tracked.state, self.now(), "aborted")
         return engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -207,6 +213,9 @@ class LocalCluster(ClusterBase):
 
     def snapshots(self) -> list[InstanceSnapshot]:
         return [e.scheduler.snapshot() for e in self.engines]
+
+    def prefix_counts(self) -> tuple[int, int]:
+        return (sum(getattr(e.kv, "queries", 0) for e in self.engines), sum(getattr(e.kv, "hits", 0) for e in self.engines))
 
     def prefix_hit_rate(self) -> float:
         return sum(getattr(e.kv, "hit_rate", 0.0) for e in self.engines) / len(self.engines)

@@ -96,6 +96,11 @@ class EngineActor:
     async def tokenizer(self):
         return self.engine.tokenizer
 
+    async def watch(self) -> None:
+        """Never returns: the driver keeps one call outstanding, which Ray fails with
+        RayActorError the moment this actor dies (a death notification that needs no traffic)."""
+        await asyncio.Event().wait()
+
     async def snapshot(self, seq: int) -> InstanceSnapshot:
         return await self._run(seq, self._snapshot)
 
@@ -181,8 +186,9 @@ class EngineActor:
             try:
                 payload = ray.get(ref)
             except ray.exceptions.RayError as err:
-                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", error=(
-                    f"the instance handing this request over failed; its KV cache was lost ({type(err).__name__})")))
+                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", retry_after=1.0, error=(
+                    f"the instance handing this request over failed; its KV cache was lost ({type(err).__name__}); "
+                    "retry")))
                 continue
             if payload is not None:  # None: it finished or was aborted before it could leave
                 self._attach(payload)
@@ -249,8 +255,8 @@ class EngineActor:
                 rid = e.tracked_by_id(st.id).request_id
                 e.scheduler.migration_arrived(st, e.now())
                 e.abort(rid)
-                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error",
-                                                 error=f"the request's KV cache was lost in transfer ({type(err).__name__})"))
+                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", retry_after=1.0,
+                                                 error=f"the request's KV cache was lost in transfer ({type(err).__name__}); retry"))
                 continue
             e.scheduler.migration_arrived(st, e.now())
             self.trace.transfer(st.id, self._src.pop(st.id, -1), e.instance, t0, e.now())

@@ -25,15 +25,31 @@ from flowyard.core.request import SLO, RequestState
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import new_request
 from flowyard.engine.preemption import PreemptionStats
+from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.registry import Policy
 from flowyard.runtime.base import ClusterBase
 from flowyard.runtime.ray_actor import EngineActor
+from flowyard.runtime.ray_faults import RayFaults
 
 
-class RayCluster(ClusterBase):
-    """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive)."""
+class RayCluster(RayFaults, ClusterBase):
+    """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive).
+
+    Failures: every actor has a `watch` call outstanding that only returns when the actor
+    dies, so a death is noticed by `poll` (the serving loop calls it when idle) or `step`
+    without any traffic. Then what had not started there is dispatched again, what had KV
+    there fails with a retryable error (`RequestOutput.retry_after`: the server answers 503),
+    the cluster core routes nothing more to it (`ClusterCore._live_substitute`), and a
+    replacement starts, which rejoins once it has loaded.
+    """
+
+    #: A handed-off request may continue on the instance that holds its KV (take, then put
+    #: to the same actor) when its planned destination died and no other can take it.
+    moves_in_place = True
+    #: What a client is told to wait before retrying a request an instance's death failed.
+    RETRY_AFTER_S = 1.0
 
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
                  address: str | None = None, *, decisions: DecisionLog | None = None,
@@ -62,6 +78,7 @@ class RayCluster(ClusterBase):
         self._busy = [False] * len(self.actors)
         self._ids = itertools.count()
         self._rid: dict[int, str] = {}  # int id -> request id, while the request lives
+        self._states: dict[int, RequestState] = {}  # the driver's copy, for spans of abnormal ends
         self._new: dict[int, SamplingParams] = {}  # being routed
         self._inputs: dict[str, tuple] = {}  # add_request's arguments until the first token
         self._down: dict[int, Any] = {}  # instance -> ObjectRef of its replacement's start-up
@@ -71,9 +88,13 @@ class RayCluster(ClusterBase):
         self._preemption: dict[int, PreemptionStats] = {}  # each instance's, as of its last step
         self.migrations = 0
         self.failures = 0
+        self.restarts = 0
 
     def _spawn(self, i: int):
         actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0)
+        if not hasattr(self, "_watch"):
+            self._watch: dict[int, Any] = {}
+        self._watch[i] = actor.watch.remote()  # returns (with an error) only when the actor dies
         if i < len(self._seq):
             self._seq[i] = itertools.count()
         else:
@@ -110,7 +131,10 @@ class RayCluster(ClusterBase):
         return True
 
     def hand_off(self, instance: int, st: RequestState) -> bool:
-        return self._ray.get(self._call(instance, "hand_off", st.id)) is not None
+        try:
+            return self._ray.get(self._call(instance, "hand_off", st.id)) is not None
+        except self._ray.exceptions.RayActorError:  # died meanwhile: `watch` reports it
+            return False
 
     def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
         """The destination's `put` receives the source's `take` by reference, so neither call
@@ -126,10 +150,12 @@ class RayCluster(ClusterBase):
         self.migrations += 1
 
     def fail(self, instance: int, st: RequestState, reason: str) -> None:
-        rid = self._rid.pop(st.id)
+        rid = self._rid[st.id]
+        self._ended(st.id, "failed")
         self._call(instance, "abort", rid)
         self._where.pop(rid, None)
-        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason))
+        self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason,
+                                          retry_after=self.RETRY_AFTER_S))
 
     # -- the engine surface ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -142,13 +168,26 @@ class RayCluster(ClusterBase):
         req = new_request(next(self._ids), arrived, prompt_ids, params, slo, self.max_model_len, task=task,
                           priority=priority, **self.sessions.fields(prompt_ids, session))
         st = RequestState(req)
-        self._rid[st.id], self._new[st.id] = request_id, params
+        if not self.accepting:  # every instance that takes new requests is restarting
+            raise EngineUnavailableError(f"{self.health_detail}: no instance can take a new request now; retry",
+                                         self.RETRY_AFTER_S)
+        self._rid[st.id], self._new[st.id], self._states[st.id] = request_id, params, st
         try:
             dst = self.core.arrive(st, now)
+        except Exception as e:
+            if not self._down:
+                raise
+            # a policy that cannot route around a missing instance: still not the client's fault
+            self._ended(st.id, "rejected")
+            raise EngineUnavailableError(f"{self.health_detail}; retry ({type(e).__name__}: {e})",
+                                         self.RETRY_AFTER_S) from e
         finally:
             del self._new[st.id]
         if dst is None:
-            del self._rid[st.id]
+            self._ended(st.id, "rejected")
+            if self._down:  # not the request's fault: an instance is restarting
+                raise EngineUnavailableError(st.reject_reason or "no live instance can take this request now; retry",
+                                             self.RETRY_AFTER_S)
             raise ValueError(st.reject_reason or "no instance can take this request now")
         self._where[request_id] = dst
         self._inputs[request_id] = (prompt_ids, params, slo, arrival, session, task, priority)
@@ -158,6 +197,8 @@ class RayCluster(ClusterBase):
         if where is None:
             return None
         self._inputs.pop(request_id, None)
+        for k in [k for k, v in self._rid.items() if v == request_id]:
+            self._ended(k, "aborted")
         self._call(where, "abort", request_id)
         return RequestOutput(request_id, finished=True, finish_reason="abort")
 
@@ -183,6 +224,7 @@ class RayCluster(ClusterBase):
         (None: until one does), so that a serving loop dispatches new arrivals while steps run:
         they reach a running prefill at its next operator boundary (FlowPrefill)."""
         self._check_restarts()
+        self._check_deaths()
         self._periodic(self.has_unfinished())
         outputs, self._failed = self._failed, []
         for i, busy in enumerate(self._busy):
@@ -201,7 +243,8 @@ class RayCluster(ClusterBase):
             try:
                 outs, results, snap, still_busy, self._preemption[i], trace = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
-                outputs += self._instance_died(i)
+                if i not in self._down:
+                    outputs += self._instance_died(i)
                 continue
             # Work sent while this step ran is not in its report: stay busy for it.
             self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
@@ -220,40 +263,9 @@ class RayCluster(ClusterBase):
                 self._finished(result.finished)
                 for st in result.finished:
                     self._rid.pop(st.id, None)
+                    self._states.pop(st.id, None)
                 self.core.stepped(i, result, self.now())
         return outputs
-
-    def _instance_died(self, i: int) -> list[RequestOutput]:
-        """Re-dispatch what had not started there; fail, with a clear error, what had (its KV
-        is gone); start a replacement, which rejoins once it has loaded."""
-        self.failures += 1
-        self._inflight.pop(i, None)
-        self._down[i] = None
-        self._busy[i] = False
-        outputs = []
-        for rid in [r for r, where in self._where.items() if where == i]:
-            del self._where[rid]
-            inputs = self._inputs.pop(rid, None)
-            if inputs is not None and self.instance_ids():
-                prompt, params, slo, arrival, session, task, priority = inputs
-                try:
-                    self.add_request(rid, prompt, params, slo, arrival, session=session, task=task,
-                                     priority=priority)
-                    continue
-                except ValueError:
-                    pass
-            outputs.append(RequestOutput(rid, finished=True, finish_reason="error",
-                                         error=f"instance {i} died; the request's KV cache was lost"))
-        self.actors[i] = self._spawn(i)
-        self._down[i] = self.actors[i].info.remote()
-        return outputs
-
-    def _check_restarts(self) -> None:
-        for i, ref in list(self._down.items()):
-            ready, _ = self._ray.wait([ref], timeout=0)
-            if ready:
-                del self._down[i]
-                self._snaps[i] = self._ray.get(self._call(i, "snapshot"))
 
     def migrate(self, request_id: str, dst: int) -> bool:
         """Move a running request to instance `dst` at whatever token it has reached; it

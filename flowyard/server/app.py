@@ -140,7 +140,11 @@ def build_router() -> APIRouter:
         except Exception as e:
             log.exception("engine.stats() failed in /health")
             return APIError(503, f"engine stats unavailable: {e}", code="engine_unavailable").response()
-        return JSONResponse(dataclasses.asdict(stats), status_code=200 if stats.healthy else 503)
+        # 503 (with Retry-After) when no instance can take work: a load balancer stops sending
+        body = dataclasses.asdict(stats)
+        if stats.healthy:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -9,6 +9,7 @@ app - our own checks, FastAPI validation, Starlette routing, unexpected exceptio
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("flowyard.server")
@@ -110,4 +112,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def server_error(exc: BaseException) -> APIError:
+    """The error for an exception out of the engine: 503 + Retry-After when it was an
+    instance's death or no instance being up (`EngineUnavailableError`), else a 500."""
+    if isinstance(exc, EngineUnavailableError):
+        return unavailable(exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def unavailable(exc: EngineUnavailableError) -> APIError:
+    return APIError(503, f"{exc}", code="instance_unavailable",
+                    headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})

@@ -1,8 +1,10 @@
 """Prometheus metrics of the HTTP server, named like vLLM's.
 
-vLLM exports `vllm:<suffix>`; flowyard exports `flowyard:<suffix>` with the same suffixes,
-meanings, label (`model_name`) and histogram buckets, so existing vLLM dashboards work after
-replacing the prefix. Every app gets its own `CollectorRegistry` (not the process-global one)
+Every metric whose meaning vLLM defines is exported twice, as `flowyard:<suffix>` and as
+`vllm:<suffix>` (same suffixes, meanings, units, label `model_name` and histogram buckets), so
+a vLLM Grafana dashboard or a vLLM-aware router (which reads `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`) reads a flowyard server unchanged. flowyard-only metrics (SLO
+counters, preemption blocking, engine threads) have the `flowyard:` prefix only. Every app gets its own `CollectorRegistry` (not the process-global one)
 so several servers or test apps in one process never clash.
 
 Latencies are measured here, at the server, from the moment the HTTP handler starts:
@@ -11,7 +13,13 @@ Latencies are measured here, at the server, from the moment the HTTP handler sta
   token (vLLM's per-iteration meaning; equals inter-token latency for one-token steps);
 - request_time_per_output_token_seconds: per request, (last - first) / (n - 1), the TPOT of
   DESIGN.md and of the SLO check;
-- e2e_request_latency_seconds: arrival -> final output.
+- inter_token_latency_seconds: the same per-token gaps under vLLM V1's name;
+- e2e_request_latency_seconds: arrival -> final output;
+- request_{queue,prefill,decode,inference}_time_seconds: vLLM's request phases, timed by the
+  engine on its clock (arrival -> first scheduled -> first token -> last token);
+- request_prompt_tokens / request_generation_tokens: per-request token histograms;
+- prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in / found in the prefix
+  cache (counters, read from the engine at scrape time).
 Gauges (running/waiting/KV usage) are read from `engine.stats()` at scrape time.
 SLO counters count requests that carry an SLO and finished normally (stop/length); attained
 means every objective carried was met (TTFT, mean TPOT, and every client-visible gap for TBT).
@@ -35,6 +43,8 @@ from flowyard.engine.sampling import RequestOutput
 log = logging.getLogger("flowyard.server")
 
 PREFIX = "flowyard:"
+VLLM = "vllm:"
+PREFIXES = (PREFIX, VLLM)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -42,6 +52,31 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 NORMAL_FINISH = ("stop", "length")
+PHASE_BUCKETS = E2E_BUCKETS
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+PHASES = {"queue": "WAITING", "prefill": "PREFILL", "decode": "DECODE", "inference": "RUNNING"}
+
+
+class Both:
+    """One metric under both prefixes: every observation goes to the two children."""
+
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+    def observe(self, v: float) -> None:
+        for c in self.children:
+            c.observe(v)
+
+    def inc(self, v: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(v)
+
+    def labels(self, *values: str) -> "Both":
+        return Both([c.labels(*values) for c in self.children])
+
+
+def both(kind, suffix: str, doc: str, labels: list[str], registry: CollectorRegistry, **kw) -> Both:
+    return Both([kind(p + suffix, doc, labels, registry=registry, **kw) for p in PREFIXES])
 
 
 class _EngineStatsCollector(Collector):
@@ -50,14 +85,20 @@ class _EngineStatsCollector(Collector):
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
 
-    def _families(self) -> list[GaugeMetricFamily]:
+    def _families(self) -> list[Metric]:
         lab = ["model_name"]
-        return [
-            GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in model execution batches.", labels=lab),
-            GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting to be processed.", labels=lab),
-            GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=lab),
-            GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix-cache hit rate (fraction).", labels=lab),
-        ]
+        out: list[Metric] = []
+        for p in PREFIXES:
+            out += [
+                GaugeMetricFamily(p + "num_requests_running", "Requests in model execution batches.", labels=lab),
+                GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting to be processed.", labels=lab),
+                GaugeMetricFamily(p + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=lab),
+                GaugeMetricFamily(p + "prefix_cache_hit_rate", "Prefix-cache hit rate (fraction).", labels=lab),
+                CounterMetricFamily(p + "prefix_cache_queries", "Prefix-cache queries, in prompt tokens looked up.",
+                                    labels=lab),
+                CounterMetricFamily(p + "prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.", labels=lab),
+            ]
+        return out
 
     def describe(self) -> Iterable[Metric]:
         return self._families()
@@ -69,7 +110,9 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is unwell
             log.exception("engine.stats() failed during /metrics scrape")
             return fams
-        for fam, value in zip(fams, (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate)):
+        values = (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate, s.prefix_cache_queries,
+                  s.prefix_cache_hits) * len(PREFIXES)
+        for fam, value in zip(fams, values):
             fam.add_metric([self.model_name], float(value))
         p = s.preemption
         if p is not None:  # FlowPrefill: signal -> acknowledgement at an operator boundary
@@ -96,21 +139,29 @@ class ServerMetrics:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token in seconds.",
-                              lab, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token in seconds.",
-                              lab, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
-        self.req_tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
-                                  "Mean time per output token of each request, (last-first)/(n-1).",
-                                  lab, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                             lab, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.",
-                                     lab, registry=r).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
-                                         lab, registry=r).labels(model_name)
-        self._success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
-                                lab + ["finished_reason"], registry=r)
+        self.ttft = both(Histogram, "time_to_first_token_seconds", "Time to first token in seconds.",
+                         lab, r, buckets=TTFT_BUCKETS).labels(model_name)
+        self.tpot = Both([both(Histogram, name, doc, lab, r, buckets=TPOT_BUCKETS).labels(model_name)
+                          for name, doc in (("time_per_output_token_seconds", "Time per output token in seconds."),
+                                            ("inter_token_latency_seconds", "Inter-token latency in seconds."))])
+        self.req_tpot = both(Histogram, "request_time_per_output_token_seconds",
+                             "Mean time per output token of each request, (last-first)/(n-1).",
+                             lab, r, buckets=TPOT_BUCKETS).labels(model_name)
+        self.e2e = both(Histogram, "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                        lab, r, buckets=E2E_BUCKETS).labels(model_name)
+        self.phases = {k: both(Histogram, f"request_{k}_time_seconds", f"Seconds each request spent in its {v} phase.",
+                               lab, r, buckets=PHASE_BUCKETS).labels(model_name) for k, v in PHASES.items()}
+        self.req_prompt = both(Histogram, "request_prompt_tokens", "Number of prefill tokens processed per request.",
+                               lab, r, buckets=TOKEN_BUCKETS).labels(model_name)
+        self.req_generation = both(Histogram, "request_generation_tokens",
+                                   "Number of generation tokens processed per request.",
+                                   lab, r, buckets=TOKEN_BUCKETS).labels(model_name)
+        self.prompt_tokens = both(Counter, "prompt_tokens", "Number of prefill tokens processed.",
+                                  lab, r).labels(model_name)
+        self.generation_tokens = both(Counter, "generation_tokens", "Number of generation tokens processed.",
+                                      lab, r).labels(model_name)
+        self._success = both(Counter, "request_success", "Count of finished requests by finish reason.",
+                             lab + ["finished_reason"], r)
         self.slo_attained = Counter(PREFIX + "slo_attained", "Finished requests that met every SLO they carry.",
                                     lab, registry=r).labels(model_name)
         self.slo_violated = Counter(PREFIX + "slo_violated", "Finished requests that missed an SLO they carry.",
@@ -140,8 +191,11 @@ class RequestMetrics:
         self.tokens = 0
         self.max_gap = 0.0
         self.done = False
+        self.phases: dict[str, float] | None = None  # from the engine's final output
 
     def on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        if out.phases:
+            self.phases = out.phases
         k = len(out.new_token_ids)
         if k == 0:
             return
@@ -169,6 +223,11 @@ class RequestMetrics:
         if reason not in NORMAL_FINISH:
             return
         self.m.e2e.observe(now - self.arrival)
+        self.m.req_prompt.observe(self.prompt_len)
+        self.m.req_generation.observe(self.tokens)
+        for k, v in (self.phases or {}).items():
+            if k in self.m.phases:
+                self.m.phases[k].observe(v)
         tpot = None
         if self.tokens >= 2 and self.first is not None and self.last is not None:
             tpot = (self.last - self.first) / (self.tokens - 1)

@@ -8,7 +8,6 @@ engine (`serving.Generation` then owns the request's lifetime).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 import uuid
@@ -23,6 +22,7 @@ from flowyard.core.request import SLO
 from flowyard.engine.protocol import EngineClient
 from flowyard.engine.sampling import MAX_LOGPROBS, SamplingParams
 from flowyard.server.errors import APIError, validation_error
+from flowyard.server.jsoncheck import check_json, parse_json
 from flowyard.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 #: max_tokens when the request gives none: fill the context, but at most this many.
@@ -60,7 +60,8 @@ class Prepared:
 
 async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
     """Read the body (413 past `max_bytes`, counted while reading so a lying or absent
-    Content-Length cannot get around it), parse JSON (400) and validate it (400)."""
+    Content-Length cannot get around it), parse JSON (400), refuse strings that are not
+    Unicode text and too deep nesting (400, `jsoncheck`) and validate it (400)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
@@ -74,13 +75,10 @@ async def read_json(request: Request, model: type[M], max_bytes: int) -> M:
             chunks.append(chunk)
     except ClientDisconnect:  # nobody will read the answer; just don't log it as a crash
         raise APIError(400, "client disconnected while sending the request body") from None
-    raw = b"".join(chunks)
-    try:
-        data = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    data = parse_json(b"".join(chunks))
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -170,6 +168,14 @@ def _slo(req: _SamplingRequest) -> SLO | None:
     return None if slo.empty else slo
 
 
+def encode(tokenizer, text: str, special: bool, param: str) -> list[int]:
+    """Tokenize client text; whatever the tokenizer refuses is the client's input (a 400)."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    except Exception as e:  # noqa: BLE001 - e.g. the Rust tokenizer's TypeError on odd text
+        raise APIError(400, f"could not tokenize {param}: {type(e).__name__}: {e}", param=param) from None
+
+
 def check_ids(ids: list[int], engine: EngineClient, param: str) -> None:
     vocab = getattr(engine.tokenizer, "vocab_size", None)
     if isinstance(vocab, int) and any(t >= vocab for t in ids):
@@ -227,7 +233,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, served: str,
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as e:  # templates raise on e.g. unsupported role orders
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-    ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
+    ids = encode(engine.tokenizer, text, False, "messages")
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     if req.max_completion_tokens is not None:
@@ -243,7 +249,7 @@ def prepare_completion(req: CompletionRequest, engine: EngineClient, served: str
     _reject_unsupported(req)
     model = check_model(req.model, served)
     if isinstance(req.prompt, str):
-        ids = list(engine.tokenizer.encode(req.prompt, add_special_tokens=True))
+        ids = encode(engine.tokenizer, req.prompt, True, "prompt")
     else:
         ids = list(req.prompt)
         check_ids(ids, engine, "prompt")

@@ -13,9 +13,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import anyio
 from fastapi import Request
 
-from flowyard.engine.protocol import EngineClient, QueueFullError
+from flowyard.engine.protocol import EngineClient, EngineUnavailableError, QueueFullError
 from flowyard.engine.sampling import RequestOutput
-from flowyard.server.errors import APIError
+from flowyard.server.errors import APIError, unavailable
 from flowyard.server.metrics import RequestMetrics, ServerMetrics
 from flowyard.server.prepare import Prepared
 
@@ -47,6 +47,10 @@ class Generation:
         except QueueFullError as e:
             self.finished = True  # never queued: nothing to abort
             raise queue_full(e) from None
+        except EngineUnavailableError as e:
+            self.finished = True
+            self.rm.finish("error")
+            raise unavailable(e) from None
         except ValueError as e:  # the engine's own input validation (vLLM answers these 400)
             self.finished = True
             raise rejected(e) from None
@@ -61,6 +65,10 @@ class Generation:
             self.finished = True
             self.rm.finish("stop")
             return None
+        except EngineUnavailableError as e:  # its instance died, or none can take it: retryable
+            self.finished = True
+            self.rm.finish("error")
+            raise unavailable(e) from None
         except (QueueFullError, ValueError) as e:
             if self._seen:  # mid-stream failures are engine errors, not bad input
                 raise

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from flowyard.server.errors import APIError
 from flowyard.server.protocol import ChatMessage, _Body
-from flowyard.server.prepare import check_ids, check_model, read_json
+from flowyard.server.prepare import check_ids, check_model, encode, read_json
 
 
 class TokenizeRequest(_Body):
@@ -48,7 +48,7 @@ def tokenize_router() -> APIRouter:
             special = bool(req.add_special_tokens)
         else:
             text, special = req.prompt, req.add_special_tokens is not False
-        ids = list(tok.encode(text, add_special_tokens=special))
+        ids = encode(tok, text, special, "messages" if req.messages is not None else "prompt")
         return {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids}
 
     @router.post("/detokenize")
