@@ -70,6 +70,8 @@ class SimConfig:
     concurrency: int | None = None
     think_time: float = 0.0
     calibration: str = DEFAULT_CALIBRATION  # roofline factor set (costmodel.CALIBRATIONS); `flowyard validate`
+    # host-side costs of the emulated serving stack (costmodel.engines); None: the default
+    engine_profile: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -123,7 +125,8 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
         from flowyard.costmodel.profiled import ProfiledCostModel
 
         return ProfiledCostModel(cfg.profile)
-    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp, calibration=cfg.calibration)
+    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp, calibration=cfg.calibration,
+                           engine_profile=cfg.engine_profile)
 
 
 def build_topology(cfg: SimConfig) -> Topology:
