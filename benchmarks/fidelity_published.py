@@ -53,9 +53,9 @@ def plot(cv: list[Row], ins: list[Row], path: Path) -> None:
         ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
         ax.set_title(f"{title}: median {summary(rows)['median_abs_error']:.1%}, "
                      f"max {summary(rows)['max_abs_error']:.1%}")
-        ax.set_xlabel("published (ms, req/s or tokens)")
+        ax.set_xlabel("published (ms or req/s; ranges left out)")
+        ax.legend(fontsize=8, loc="upper left")
     axes[0].set_ylabel("predicted (same unit)")
-    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -257,19 +257,28 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     import shlex
     import time
 
-    from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS, run_experiment
-
     from flowyard.costmodel.engines import ENV_VAR
+    from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS, run_experiment
 
     name = args.name.strip().lower()
     if args.engine_profile:  # the experiments build their own SimConfigs: the default moves
+        saved = os.environ.get(ENV_VAR)
         os.environ[ENV_VAR] = args.engine_profile
+        try:
+            return cmd_reproduce(argparse.Namespace(**{**vars(args), "engine_profile": None,
+                                                        "profile_label": args.engine_profile}))
+        finally:
+            if saved is None:
+                os.environ.pop(ENV_VAR, None)
+            else:
+                os.environ[ENV_VAR] = saved
     if name not in EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
     command = " ".join(["flowyard reproduce", shlex.quote(name)]
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else [])
-                       + ([f"--engine-profile {args.engine_profile}"] if args.engine_profile else []))
+                       + ([f"--engine-profile {args.profile_label}"]
+                          if getattr(args, "profile_label", None) else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
         runs = [0]

@@ -204,3 +204,20 @@ def test_simulate_records_its_engine_profile_and_calibration(tmp_path):
     assert runs["eager-2023"]["tpot"]["mean"] > runs[None]["tpot"]["mean"]
     with pytest.raises(SystemExit):  # argparse names the valid profiles
         main(["simulate", "--engine-profile", "nope", "--num-requests", "5"])
+
+
+def test_reproduce_runs_its_experiment_under_the_profile_and_restores_the_default(monkeypatch, tmp_path):
+    import flowyard.experiments as experiments
+    from flowyard.costmodel.engines import ENV_VAR
+
+    seen = {}
+
+    def fake(name, out, quick, seed, command, log):
+        seen.update(profile=get_engine_profile().name, command=command)
+        return tmp_path / "r.md"
+
+    monkeypatch.setattr(experiments, "run_experiment", fake)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert main(["reproduce", "dynaserve", "--quick", "--quiet", "--engine-profile", "vllm-v0"]) == 0
+    assert seen["profile"] == "vllm-v0" and "--engine-profile vllm-v0" in seen["command"]
+    assert get_engine_profile().name == DEFAULT_ENGINE_PROFILE  # the process default is back
