@@ -15,8 +15,9 @@ from flowyard.costmodel import DEFAULT_CALIBRATION, make_cost_model
 from flowyard.costmodel import cli_validate
 from flowyard.costmodel.engines import (DEFAULT_ENGINE_PROFILE, engine_profile_names, engine_profiles,
                                         get_engine_profile)
-from flowyard.costmodel.fit import (_loss, cross_validate, current_fit, evaluate, evaluate_fit,
-                                    fit_points, fittable, generation_ms, predict, summary)
+from flowyard.costmodel.fit import (current_fit, evaluate, evaluate_fit, fittable, generation_ms,
+                                    predict, summary)
+from flowyard.costmodel.refit import _loss, cross_validate, fit_points
 from flowyard.costmodel.hardware import calibrated, get_hardware
 from flowyard.costmodel.published import point_from_dict, published_points
 from flowyard.costmodel.replay import replay

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from flowyard.costmodel.engines import DEFAULT_ENGINE_PROFILE, engine_profile_names
-from flowyard.costmodel.fit import Row, cross_validate, evaluate, summary
+from flowyard.costmodel.fit import Row, evaluate, summary
+from flowyard.costmodel.refit import cross_validate
 from flowyard.costmodel.hardware import CALIBRATIONS
 from flowyard.costmodel.published import published_points
 
@@ -69,7 +70,7 @@ def format_table(cv: list[Row] | None, ins: list[Row], calibration: str) -> str:
                      f"{(_fmt(c.predicted, r.point.unit) if c else '-'):>11} "
                      f"{(f'{c.error:+.1%}' if c else '-'):>7} {r.error:>+9.1%}")
         lines.append(f"    [{r.point.family}, {r.point.engine}] {r.point.source}")
-    for label, rows in ((f"cross-validated (leave one source out)", cv), (f"in-sample ({calibration})", ins)):
+    for label, rows in (("cross-validated (leave one source out)", cv), (f"in-sample ({calibration})", ins)):
         if not rows:
             continue
         s = summary(rows)
