@@ -1,9 +1,11 @@
-"""Write docs/results/fidelity_published.md: the cost model against published GPU measurements.
+"""Write docs/results/fidelity_published.md: the cost model against published GPU measurements,
+leave-one-source-out cross-validated, with the in-sample fit beside it, and a predicted-vs-
+published plot (docs/results/fidelity_published.png).
 
-Every number in the report is computed here from `flowyard.costmodel.published` (the points and
-their sources) and `flowyard.costmodel.fit` (our predictions under each calibration, the
-fitted terms). Run: python benchmarks/fidelity_published.py [--out PATH] [--refit]
-(--refit reruns the fit, ~40 s, and shows its result beside the constants in hardware.py.)
+Every number in the report is computed here from flowyard/data/published_points.json (points
+and sources), flowyard/data/calibration.json (the in-sample fit) and fit.cross_validate (one
+refit per source family). Run: python benchmarks/fidelity_published.py [--out PATH]
+(a few minutes on two cores: seven refits and the serving replays).
 """
 
 from __future__ import annotations
@@ -12,145 +14,173 @@ import argparse
 import subprocess
 from pathlib import Path
 
-import numpy as np
-
-from flowyard.costmodel.fit import (FIT_KEYS, KERNEL_KEYS, Row, evaluate, fit_published, group,
-                                   summary)
-from flowyard.costmodel.hardware import (A100_PARAMS, CALIBRATIONS, DEFAULT_CALIBRATION,
-                                         KERNEL_TERMS, PUBLISHED_PARAMS)
+from flowyard.costmodel.cli_validate import breakdown, run_all
+from flowyard.costmodel.engines import DEFAULT_ENGINE_PROFILE, engine_profiles
+from flowyard.costmodel.fit import Row, current_fit, summary
+from flowyard.costmodel.hardware import DEFAULT_CALIBRATION
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "fidelity_published.md"
 
 
-def _row_md(r: Row) -> str:
-    p = r.point
-    meas = (f"≤ {p.hi:.4g}" if p.measured == 0 else f"{p.measured:.4g}–{p.hi:.4g}") if p.is_range \
-        else f"{p.measured:.4g}"
-    return (f"| {p.name} | {p.model if isinstance(p.model, str) else p.model.name} | {p.hardware} "
-            f"TP{p.tp} | {meas} {p.unit} | {r.predicted:.4g} | {r.error:+.1%} | {p.source} |")
-
-
-def _groups(rows: list[Row]) -> list[str]:
-    out = []
-    for g in sorted({group(r.point) for r in rows}):
-        e = np.abs([r.error for r in rows if group(r.point) == g])
-        out.append(f"{g}: n={len(e)}, median {np.median(e):.1%}, max {e.max():.1%}")
-    return out
-
-
-def report(refit: bool = False) -> str:
-    tables = {cal: evaluate(cal) for cal in CALIBRATIONS}
-    sums = {cal: summary(rows) for cal, rows in tables.items()}
-    pub = PUBLISHED_PARAMS[A100_PARAMS]
+def revision() -> str:
+    here = Path(__file__).parent
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent).stdout.strip()
+                         cwd=here).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, cwd=here).stdout.strip()
+    return rev + (" (uncommitted changes)" if dirty else "")
+
+
+def plot(cv: list[Row], ins: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
+    marks = {"prefill": "o", "decode": "s", "mixed": "D", "serving": "*", "kernel": "^", "cpu": "v"}
+    for ax, rows, title in ((axes[0], cv, "leave-one-source-out"), (axes[1], ins, "in-sample")):
+        for g, m in marks.items():
+            sel = [r for r in rows if r.point.group == g and not r.point.is_range]
+            if sel:
+                ax.scatter([r.point.measured for r in sel], [r.predicted for r in sel], marker=m,
+                           label=g, alpha=0.75)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lo, hi = 1e-3, 1e4
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.plot([lo, hi], [1.25 * lo, 1.25 * hi], "k:", lw=0.6)
+        ax.plot([lo, hi], [lo / 1.25, hi / 1.25], "k:", lw=0.6)
+        ax.set_title(f"{title}: median {summary(rows)['median_abs_error']:.1%}, "
+                     f"max {summary(rows)['max_abs_error']:.1%}")
+        ax.set_xlabel("published (ms or req/s; ranges left out)")
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0].set_ylabel("predicted (same unit)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(title: str, cv: dict, ins: dict) -> list[str]:
+    lines = [f"| {title} | points | CV median | CV max | in-sample median | in-sample max |",
+             "|---|---|---|---|---|---|"]
+    for k, v in cv.items():
+        i = ins[k]
+        lines.append(f"| {k} | {v['points']} | {v['median_abs_error']:.1%} | {v['max_abs_error']:.1%} "
+                     f"| {i['median_abs_error']:.1%} | {i['max_abs_error']:.1%} |")
+    return lines
+
+
+def _meas(r: Row) -> str:
+    p = r.point
+    if p.is_range:
+        return f"≤ {p.hi:.4g}" if p.measured == 0 else f"{p.measured:.4g}–{p.hi:.4g}"
+    return f"{p.measured:.4g}"
+
+
+def report(out: Path) -> str:
+    cv, ins, unchecked = run_all(DEFAULT_CALIBRATION, None, True)
+    assert cv is not None
+    sun = summary(unchecked)
+    png = out.with_suffix(".png")
+    plot(cv, ins, png)
+    scv, sin = summary(cv), summary(ins)
+    by_cv = {r.point.name: r for r in cv + unchecked}
+    pairs = [(by_cv[i.point.name], i) for i in ins]  # (held-out row, in-sample row) per point
+    serving = [(c, i) for c, i in pairs if c.point.kind == "serving"
+               and c.point.metric in ("ttft_p50", "tpot_p50")]
+    fams = list(dict.fromkeys(r.point.family for r in ins))
     lines = [
         "# Cost-model fidelity against published GPU measurements",
         "",
-        f"Generated by `python benchmarks/fidelity_published.py` at revision {rev}; the same table "
-        "prints with `flowyard validate` (`--json PATH` writes it). Every measured value is someone "
-        "else's GPU measurement (source column); every predicted value is our roofline on that "
-        "batch. Error = predicted / measured - 1; for a range it is the distance outside it.",
+        f"Generated by `python benchmarks/fidelity_published.py` at revision {revision()}; the same "
+        "tables print with `flowyard validate` (`--json PATH` writes them). Every measured value is "
+        "someone else's GPU measurement (source column, flowyard/data/published_points.json); every "
+        "predicted value is our roofline on that batch, or the simulator replaying that serving run. "
+        "Error = predicted / measured − 1; for a range, the distance outside it.",
         "",
-        "## Summary",
+        "## Headline: leave-one-source-out cross-validation",
         "",
-        "| calibration | points | median abs. error | max abs. error | within 10 % | within 25 % |",
+        f"For each of the {len(fams)} source families ({', '.join(fams)}) the fitted terms are refitted "
+        "without it and its points predicted with that fit. In-sample is the 'published' calibration "
+        "(fitted on every non-serving point) on the same points.",
+        "",
+        "| | points | median abs. error | max abs. error | within 10 % | within 25 % |",
+        "|---|---|---|---|---|---|",
+        f"| **cross-validated** | {scv['points']} | **{scv['median_abs_error']:.1%}** | "
+        f"**{scv['max_abs_error']:.1%}** | {scv['within_10pct']} | {scv['within_25pct']} |",
+        f"| in-sample | {sin['points']} | {sin['median_abs_error']:.1%} | {sin['max_abs_error']:.1%} | "
+        f"{sin['within_10pct']} | {sin['within_25pct']} |",
+        f"| not cross-validatable, held out anyway | {sun['points']} | {sun['median_abs_error']:.1%} | "
+        f"{sun['max_abs_error']:.1%} | {sun['within_10pct']} | {sun['within_25pct']} |",
+        "",
+        f"The cross-validated row covers the {scv['points']} points a fold can price without terms "
+        f"that only their own family measures. The other {sun['points']} are Vidur's: its CPU-phase "
+        "rows are the only measurements of the eager-2023 engine profile and its attention rows the "
+        "only timings of the one attention kernel it profiled (a term of that kernel, "
+        "attn_causal_extra, prices them). Held out, nothing else defines those terms; the last row "
+        "prices them anyway with the fold's fallbacks (the default profile, the prior kernel term) "
+        "so the cost of that gap is on the page, not hidden. They enter the in-sample row.",
+        "",
+        f"Targets (issue 27): cross-validated median ≤ 10 % — "
+        f"{'met' if scv['median_abs_error'] <= 0.10 else 'missed'}; no point above 25 % — "
+        f"{'met' if scv['max_abs_error'] <= 0.25 else 'missed (%d points above)' % (len(cv) - scv['within_25pct'])}; "
+        "serving P50 TTFT and TPOT within 15 % — "
+        f"{sum(abs(c.error) <= 0.15 for c, _ in serving)} of {len(serving)} within (cross-validated).",
+        "",
+        f"![predicted vs published]({png.name})",
+        "",
+        "## By kind", "",
+        *_table("kind", breakdown(cv, lambda p: p.group), breakdown(ins, lambda p: p.group)),
+        "", "## By source family", "",
+        *_table("source", breakdown(cv, lambda p: p.family), breakdown(ins, lambda p: p.family)),
+        "", "## Engine profiles (in-sample fit)", "",
+        "| profile | step_overhead_s | seq_overhead_s | seq_overhead_layer_s | fitted on | stack |",
         "|---|---|---|---|---|---|",
     ]
-    for cal, s in sums.items():
-        lines.append(f"| {cal}{' (default)' if cal == DEFAULT_CALIBRATION else ''} | {s['points']} | "
-                     f"{s['median_abs_error']:.1%} | {s['max_abs_error']:.1%} | "
-                     f"{s['within_10pct']} | {s['within_25pct']} |")
-    lines += ["", "Targets (issue 15): median ≤ 10 %, none above 25 %. Per source group:", ""]
-    for cal, rows in tables.items():
-        lines.append(f"- **{cal}**: " + "; ".join(_groups(rows)))
-    lines += ["", "## Fitted terms ('published')", "",
-              "Fitted by `python -m flowyard.costmodel.fit` on the A100 points (Nelder-Mead on "
-              "mean |log(pred/meas)|, each source group weighted alike). GEMM, elementwise and "
-              "all-reduce factors stay as fitted on Vidur's operator profiles. Terms marked "
-              "'kernel' belong to one measured kernel and price only its points (below).", "",
-              "| term | vidur (assumed) | published (fitted) | data it rests on |", "|---|---|---|---|"]
-    cites = {
-        "step_overhead_s": "Vidur cpu_overheads.csv (intercept); DynaServe Table 1 batch-1 TBT",
-        "seq_overhead_s": "Vidur cpu_overheads.csv (slope over batch 8-64); DynaServe Table 1 "
-                          "TBT at batch 62 and 125",
-        "eff_attn": "Vidur attention.csv prefill rows; DynaServe Table 1 prefill bound",
-        "attn_tile": "Vidur attention.csv prefill rows at 224-256 new tokens",
-        "eff_attn_mem": "Vidur attention.csv decode rows (batch 18-93, context 2688)",
-        "attn_fixed_s": "Vidur attention.csv: batch-1 decode over 32 tokens, 256-token prefill",
-        "attn_causal_extra": "kernel 'vidur-profile' only: Vidur attention.csv, 1088-3584 new "
-                             "tokens over none vs 1024 over 1024-3072 cached. Not in the "
-                             "simulator's factors: DynaServe Table 1 (vLLM 0.7.2) serves 0.83 rps "
-                             "of 8192-token prefills on one A100, which it would exceed",
-        "seq_overhead_layer_s": "Vidur cpu_overheads.csv: per-sequence slope 0.163 ms "
-                                "(CodeLlama-34B, 48 layers) vs 0.111 ms (Llama-2-7B, 32 layers) "
-                                "from one ~1.09 ms intercept; DynaServe Table 1 TBT at batch 125",
-    }
-    for k in FIT_KEYS:
-        val = KERNEL_TERMS[KERNEL_KEYS[k]][k] if k in KERNEL_KEYS else getattr(pub, k)
-        tag = f" (kernel '{KERNEL_KEYS[k]}')" if k in KERNEL_KEYS else ""
-        lines.append(f"| {k}{tag} | {getattr(A100_PARAMS, k):.4g} | {val:.4g} | {cites[k]} |")
-    if refit:
-        again = fit_published()
-        lines += ["", "Refit now: " + ", ".join(f"{k}={v:.4g}" for k, v in again.items())]
-    for cal, rows in tables.items():
-        lines += ["", f"## Points, calibration '{cal}'", "",
-                  "| point | model | GPU | measured | predicted | error | source |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [_row_md(r) for r in rows]
-    pub_rows = tables["published"]
-    worst = [r for r in pub_rows if abs(r.error) > 0.25]
-    top = sorted(pub_rows, key=lambda r: -abs(r.error))[:3]
-    mixed = next(r for r in pub_rows if "fig6" in r.point.name)
-    serving = [r for r in pub_rows if r.point.kind == "step"]
-    serving_v = [r for r in tables["vidur"] if r.point.kind == "step"]
-    med = lambda rows: float(np.median(np.abs([r.error for r in rows])))  # noqa: E731
-    lines += ["", "## Findings and limits", "",
-              "- Over 25 % under 'published': " + ("; ".join(
-                  f"{r.point.name} ({r.error:+.1%})" for r in worst) or "none") + ". Largest: "
-              + "; ".join(f"{r.point.name} ({r.error:+.1%})" for r in top) + ".",
-              "- What changed from revision 7d1d353 (34.5 % max): (1) Vidur's attention rows and "
-              "DynaServe's 8k prefill bound measure different prefill kernels: priced with one "
-              "causal-pair cost, the 8k prefill came out 34.5 % over its bound. The extra cost "
-              "of a new token's causal pair is now a term of Vidur's profiled kernel "
-              "(KERNEL_TERMS), fitted on its rows and not applied to the serving stacks the "
-              "simulator models. (2) CodeLlama-34B's per-sequence CPU time (-27.5 %) follows its "
-              "48 layers: the per-sequence overhead has a per-layer part (seq_overhead_layer_s).",
-              f"- End-to-end serving steps alone (DynaServe Table 1, Fig. 6, vLLM 0.23): median "
-              f"{med(serving):.1%} under 'published', {med(serving_v):.1%} under 'vidur'. The "
-              "fitted CPU terms are vLLM v0's (Sarathi-era scheduling, DynaServe's vLLM 0.7.2); "
-              "engines with asynchronous scheduling pay less (the vLLM 0.23 batch-1 point, "
-              f"{next(r for r in pub_rows if 'vllm 0.23' in r.point.name).error:+.1%}).",
-              f"- Mixed prefill+decode step: the one published mixed point (DynaServe Fig. 6 "
-              f"text) is met at {mixed.error:+.1%} with no mixed-step term, so none was added. "
-              "POD-Attention's hybrid-batch gains are over running the prefill and decode "
-              "attention kernels one after the other, which is what the roofline sums.",
-              "- Not covered, and why: PLA-Serve Figs. 1, 3, 5 (H200) and FlowPrefill Figs. 3, 4 "
-              "state no values in the paper text we have (figures only), so no point is read "
-              "from them; FlowPrefill's 'blocking below 4.5 ms' gives no batch shape; Arrow "
-              "publishes SLOs and goodputs, no step times. No H100/H200 step-level point exists "
-              "here: H100/H200 under 'published' take only the fitted host-side terms "
-              "(step_overhead_s, seq_overhead_s, seq_overhead_layer_s, attn_fixed_s) and keep "
-              "their attention factors.",
-              f"- Default: `{DEFAULT_CALIBRATION}` (DEFAULT_CALIBRATION in costmodel/hardware.py: "
-              "make_cost_model, SimConfig, `--calibration`), so `flowyard simulate`, `goodput` "
-              "and `reproduce` run the factors this table validates; `--calibration vidur` "
-              "keeps the old ones.",
-              ]
-    lines += ["", "## Notes on the points", ""]
-    lines += [f"- {r.point.name}: {r.point.note}" for r in tables["vidur"] if r.point.note]
+    for name, e in engine_profiles().items():
+        lines.append(f"| {name}{' (default)' if name == DEFAULT_ENGINE_PROFILE else ''} | "
+                     f"{e.step_overhead_s:.3g} | {e.seq_overhead_s:.3g} | {e.seq_overhead_layer_s:.3g} | "
+                     f"{', '.join(e.fitted_on) or '—'} | {e.description} |")
+    fit = current_fit()
+    lines += ["", "A100 attention terms: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.kernel.items())
+              + "; Vidur's profiled kernel only: " + ", ".join(
+                  f"{k} {v:.4g}" for d in fit.kernel_only.values() for k, v in d.items()) + ".",
+              "", "## Serving runs replayed (P50 TTFT / TPOT)", "",
+              "| run | measured ms | CV predicted | CV error | in-sample error |", "|---|---|---|---|---|"]
+    for c, i in serving:
+        lines.append(f"| {c.point.name} | {c.point.measured:.4g} | {c.predicted:.4g} | {c.error:+.1%} | "
+                     f"{i.error:+.1%} |")
+    worst = sorted(cv, key=lambda r: -abs(r.error))[:8]
+    lines += ["", "## Largest cross-validated errors", ""]
+    lines += [f"- {r.point.name} [{r.point.family}]: {r.error:+.1%} ({r.point.note or r.point.source})"
+              for r in worst]
+    lines += ["", "## Every point", "",
+              "Points marked † cannot be cross-validated (see the headline); their held-out "
+              "prediction uses the fold's fallbacks.", "",
+              "| point | family | engine | GPU | measured | unit | held-out pred | held-out err | "
+              "in-sample err | source |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    skip = {r.point.name for r in unchecked}
+    for c, i in pairs:
+        p = c.point
+        lines.append(f"| {p.name}{' †' if p.name in skip else ''} | {p.family} | {p.engine} | "
+                     f"{p.hardware} TP{p.tp} | {_meas(c)} | {p.unit} | {c.predicted:.4g} | "
+                     f"{c.error:+.1%} | {i.error:+.1%} | {p.source} |")
+    lines += ["", "## Notes on derived points", ""]
+    lines += [f"- {r.point.name}: {r.point.note}" for r in ins if r.point.note]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--refit", action="store_true")
     args = ap.parse_args()
-    text = report(args.refit)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    text = report(out)
+    out.write_text(text)
+    print(text.split("## By kind")[0])
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,16 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration", default="published", choices=("vidur", "published"),
                    help="roofline factors: 'published' (default, fitted on published GPU "
                         "measurements: `flowyard validate`) or 'vidur'")
+    _add_engine_flag(g)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_engine_flag(p) -> None:
+    from flowyard.costmodel.engines import engine_profile_names
+
+    p.add_argument("--engine-profile", default=None, choices=engine_profile_names(),
+                   help="host-side costs of the emulated serving stack (default: vllm-v1, "
+                        "today's vLLM; `flowyard validate` fits each on its own sources)")
 
 
 def _config(args: argparse.Namespace, policy: str):
@@ -87,8 +96,15 @@ def _config(args: argparse.Namespace, policy: str):
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
         concurrency=args.concurrency, think_time=args.think_time, calibration=args.calibration,
-        mix=args.mix, tile=args.tile,
+        mix=args.mix, tile=args.tile, engine_profile=args.engine_profile,
     )
+
+
+def _recorded(cfg) -> dict:
+    """The config a result file records, with the engine profile the run resolved to."""
+    from flowyard.costmodel.engines import get_engine_profile
+
+    return {**cfg.as_dict(), "engine_profile": get_engine_profile(cfg.engine_profile).name}
 
 
 def _validate_names(args: argparse.Namespace, policies: Sequence[str]) -> None:
@@ -163,7 +179,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)", file=out)
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}", file=out)
-    extra = {"config": cfg.as_dict(), "events": result.events, "sim_time_s": result.sim_time}
+    extra = {"config": _recorded(cfg), "events": result.events, "sim_time_s": result.sim_time}
     blocking = result.preemption_blocking
     if blocking:
         extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
@@ -224,7 +240,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     print(format_goodput_table(results), file=out)
     print(f"rate scale x1 = the trace as recorded, {mean_rate:.3f} req/s on average", file=out)
     if args.json:
-        write_goodput_json(results, args.json, extra={"config": base.as_dict(), "base_rate_rps": mean_rate})
+        write_goodput_json(results, args.json, extra={"config": _recorded(base), "base_rate_rps": mean_rate})
         if args.json != "-":
             print(f"wrote {args.json}", file=out)
     if args.plot:
@@ -249,14 +265,28 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     import shlex
     import time
 
+    from flowyard.costmodel.engines import ENV_VAR
     from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS, run_experiment
 
     name = args.name.strip().lower()
+    if args.engine_profile:  # the experiments build their own SimConfigs: the default moves
+        saved = os.environ.get(ENV_VAR)
+        os.environ[ENV_VAR] = args.engine_profile
+        try:
+            return cmd_reproduce(argparse.Namespace(**{**vars(args), "engine_profile": None,
+                                                        "profile_label": args.engine_profile}))
+        finally:
+            if saved is None:
+                os.environ.pop(ENV_VAR, None)
+            else:
+                os.environ[ENV_VAR] = saved
     if name not in EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
     command = " ".join(["flowyard reproduce", shlex.quote(name)]
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
-                       + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
+                       + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else [])
+                       + ([f"--engine-profile {args.profile_label}"]
+                          if getattr(args, "profile_label", None) else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
         runs = [0, None]  # runs logged; (computed, asked) of a parallel sweep
@@ -320,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flowyard.sweep.jobs import add_sweep_flags
 
     add_sweep_flags(r)
+    _add_engine_flag(r)
     r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.costmodel.cli_validate import add_validate_parser

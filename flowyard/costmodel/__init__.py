@@ -19,23 +19,30 @@ from flowyard.costmodel.catalog import CatalogError
 from flowyard.costmodel.hardware import (CALIBRATIONS, DEFAULT_CALIBRATION, HARDWARE,
                                          HARDWARE_NAMES, HardwareSpec, RooflineParams,
                                          calibrated, get_hardware)
+from flowyard.costmodel.engines import (DEFAULT_ENGINE_PROFILE, engine_profile_names,
+                                        get_engine_profile)
 from flowyard.costmodel.link import Link, kv_transfer_time
 from flowyard.costmodel.models import MODEL_NAMES, MODELS, ModelSpec, get_model
 from flowyard.costmodel.roofline import RooflineCostModel
 
 __all__ = [
-    "CALIBRATIONS", "DEFAULT_CALIBRATION", "CatalogError", "CostModel", "HARDWARE", "HARDWARE_NAMES", "HardwareSpec", "LAYER_OPS",
+    "CALIBRATIONS", "DEFAULT_CALIBRATION", "DEFAULT_ENGINE_PROFILE", "engine_profile_names",
+    "get_engine_profile", "CatalogError", "CostModel", "HARDWARE", "HARDWARE_NAMES", "HardwareSpec", "LAYER_OPS",
     "Link", "MODELS", "MODEL_NAMES", "ModelSpec", "RooflineCostModel", "RooflineParams",
     "STEP_OPS", "calibrated", "get_hardware", "get_model", "kv_transfer_time", "make_cost_model",
 ]
 
 
 def make_cost_model(model: str | Path | ModelSpec, hardware: str | HardwareSpec, tp: int = 1,
-                    calibration: str = DEFAULT_CALIBRATION, **kwargs: float) -> RooflineCostModel:
+                    calibration: str = DEFAULT_CALIBRATION, engine_profile: str | None = None,
+                    **kwargs: float) -> RooflineCostModel:
     """The roofline cost model for a model (catalog name, config.json path or spec) on a TP
     group of `tp` GPUs of `hardware`; `calibration` names the factor set (CALIBRATIONS:
-    'published', the default, refitted on published GPU measurements, or 'vidur'); kwargs
+    'published', the default, refitted on published GPU measurements, or 'vidur');
+    `engine_profile` names the serving stack's host-side costs (costmodel.engines; None: the
+    default, today's vLLM; 'published' only); kwargs
     override efficiency factors (see RooflineParams) or pass gpu_mem_util /
     activation_reserve_bytes / dtype_bytes."""
-    return RooflineCostModel(get_model(model), calibrated(get_hardware(hardware), calibration),
+    return RooflineCostModel(get_model(model), calibrated(get_hardware(hardware), calibration,
+                                                               engine=engine_profile),
                              tp, **kwargs)

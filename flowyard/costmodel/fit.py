@@ -1,42 +1,92 @@
-"""Our prediction for every published point, the error table, and the fit of the assumed terms.
+"""Our prediction for every published point under a set of fitted terms (`Fit`).
 
-`evaluate(calibration)` prices each `published.Point` with `make_cost_model(..., calibration=)`
-and returns the rows `flowyard validate` prints. `fit_published()` refits the terms the
-'vidur' calibration only assumes -- per-step and per-sequence CPU overhead, prefill and decode
-attention efficiency (eff_attn, attn_tile, eff_attn_mem) and a fixed time per attention kernel
-(attn_fixed_s), a per-sequence-per-layer CPU term (seq_overhead_layer_s) and the extra cost of
-a new token's causal pair in the kernel Vidur profiled (attn_causal_extra, applied to that
-kernel's rows only: hardware.KERNEL_TERMS) -- on the A100 points, minimising the mean |log(predicted/measured)| with each
-source group weighted alike, so 12 attention rows do not outvote 5 end-to-end steps. The GEMM,
-elementwise and all-reduce factors stay as `calibrate` fitted them on Vidur's operator
-profiles. Reproduce the 'published' constants in hardware.py with
+The GEMM, elementwise and all-reduce factors stay as `calibrate` fitted them on Vidur's
+operator profiles. What the published points fit (`Fit`, fitted by costmodel.refit) is what
+those profiles cannot say: the A100 attention terms (eff_attn, attn_tile, eff_attn_mem,
+attn_fixed_s), the extra causal cost of the one kernel Vidur profiled (KERNEL_TERMS, its rows
+only) and, per engine profile (costmodel.engines), the host-side terms -- each profile only on
+the points its own stacks measured. Serving runs are replayed in the simulator
+(costmodel.replay) and never fitted on: they only check. A point whose engine profile a fit
+has no points of is priced with the default profile (else the prior).
 
-    python -m flowyard.costmodel.fit
+Reproduce flowyard/data/calibration.json (the 'published' calibration) with
+
+    python -m flowyard.costmodel.fit --write
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 
 from flowyard.core.plan import BatchShape
-from flowyard.costmodel.calibrate import nelder_mead
-from flowyard.costmodel.hardware import (A100_PARAMS, KERNEL_TERMS, HardwareSpec, calibrated,
+from flowyard.costmodel.engines import DEFAULT_ENGINE_PROFILE, HOST_TERMS, calibration_data
+from flowyard.costmodel.hardware import (A100_PARAMS, H100_PARAMS, HardwareSpec, calibrated,
                                          get_hardware)
 from flowyard.costmodel.published import Point, published_points
 from flowyard.costmodel.roofline import RooflineCostModel
 
-FIT_KEYS = ("step_overhead_s", "seq_overhead_s", "eff_attn", "attn_tile", "eff_attn_mem",
-            "attn_fixed_s", "attn_causal_extra", "seq_overhead_layer_s")
-# Where the fit starts: the 'published' constants before seq_overhead_layer_s and the
-# kernel-only causal term (revision 7d1d353), with a small seed for the new term.
-FIT_START = replace(A100_PARAMS, step_overhead_s=1.502e-3, seq_overhead_s=9.609e-05,
-                    eff_attn=0.427, attn_tile=278.2, eff_attn_mem=0.7855, attn_fixed_s=1.623e-05,
-                    attn_causal_extra=1.105, seq_overhead_layer_s=1e-6)
-# Fitted terms that belong to one measured kernel, not to the calibration the simulator runs.
-KERNEL_KEYS = {"attn_causal_extra": "vidur-profile"}
+KERNEL_KEYS = ("eff_attn", "attn_tile", "eff_attn_mem", "attn_fixed_s")
+KERNEL_ONLY = {"attn_causal_extra": "vidur-profile"}  # term -> the measured kernel it belongs to
+# seq_overhead_layer_s stays 0: Vidur's per-sequence CPU time is the same for Llama-2-70B
+# (80 layers) as for Llama-2-7B (32) at TP4, so a per-layer term (which CodeLlama-34B's rows
+# alone suggest) is not what the data say.
+ENGINE_KEYS = {"eager-2023": ("step_overhead_s", "seq_overhead_s"),
+               "vllm-v0": ("step_overhead_s", "seq_overhead_s"),
+               "vllm-v1": ("step_overhead_s", "seq_overhead_s")}
+# Where every fit starts: the 'vidur' calibration's assumed values (no published point in
+# them); log-space needs a positive start for the terms 'vidur' sets to 0.
+PRIOR = {"eff_attn": A100_PARAMS.eff_attn, "attn_tile": A100_PARAMS.attn_tile,
+         "eff_attn_mem": A100_PARAMS.eff_attn_mem, "attn_fixed_s": 1e-6,
+         "attn_causal_extra": 0.1, "step_overhead_s": A100_PARAMS.step_overhead_s,
+         "seq_overhead_s": A100_PARAMS.seq_overhead_s, "seq_overhead_layer_s": 1e-7}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fitted set of terms: A100 attention (kernel), kernel-only terms and host terms per
+    engine profile; `fitted_on` says which source families each profile's terms rest on."""
+
+    kernel: dict[str, float]
+    kernel_only: dict[str, dict[str, float]]
+    engines: dict[str, dict[str, float]]
+    fitted_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def engine_terms(self, engine: str) -> dict[str, float]:
+        """The host terms a point of `engine` is priced with: its own profile's when this fit
+        has points of it, else the default profile's (else the prior)."""
+        for name in (engine, DEFAULT_ENGINE_PROFILE):
+            if self.fitted_on.get(name):
+                return {k: 0.0 for k in HOST_TERMS} | self.engines[name]
+        return {k: (PRIOR[k] if k != "seq_overhead_layer_s" else 0.0) for k in HOST_TERMS}
+
+    def hardware(self, name: str, engine: str, kernel: str = "") -> HardwareSpec:
+        """The catalog GPU `name` with this fit's terms, as `calibrated` builds it."""
+        hw = get_hardware(name)
+        if hw.params is A100_PARAMS:
+            params = replace(A100_PARAMS, **self.kernel)
+        elif hw.params is H100_PARAMS:
+            params = replace(H100_PARAMS, attn_fixed_s=self.kernel["attn_fixed_s"])
+        else:
+            return hw
+        params = replace(params, **self.engine_terms(engine), **self.kernel_only.get(kernel, {}))
+        return replace(hw, params=params)
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "kernel_only": self.kernel_only,
+                "engines": {e: {**{k: 0.0 for k in HOST_TERMS}, **v,
+                                "fitted_on": list(self.fitted_on.get(e, ()))}
+                            for e, v in self.engines.items()}}
+
+
+def current_fit() -> Fit:
+    """The fit stored in flowyard/data/calibration.json (the 'published' calibration)."""
+    d = calibration_data()
+    engines = {e: {k: float(v[k]) for k in HOST_TERMS} for e, v in d["engines"].items()}
+    return Fit(dict(d["kernel"]), {k: dict(v) for k, v in d["kernel_only"].items()}, engines,
+               {e: tuple(v.get("fitted_on", ())) for e, v in d["engines"].items()})
 
 
 @dataclass(frozen=True)
@@ -58,6 +108,7 @@ class Row:
         return (self.predicted - p.measured) / p.measured
 
 
+@lru_cache(maxsize=1024)
 def shape_of(point: Point) -> BatchShape:
     decodes = [ctx for count, ctx in point.decodes for _ in range(count)]
     return BatchShape.of(list(point.prefills), decodes)
@@ -79,9 +130,26 @@ def _compute_bound(cm: RooflineCostModel, tokens: int) -> bool:
     return comp >= mem
 
 
-def predict(point: Point, hw: HardwareSpec) -> float:
-    """Our number for `point` on `hw` (already calibrated), in the point's unit."""
-    cm = RooflineCostModel(point.model, hw, point.tp)
+def generation_ms(cm: RooflineCostModel, batch: int, input_len: int, output_len: int) -> float:
+    """A batch that prefills together, then decodes output_len - 1 steps in lockstep (vLLM's
+    benchmark_latency): one step per token, the decode contexts priced as one array."""
+    prefill = cm.step_time(BatchShape.of([(0, input_len)] * batch, []))
+    ctx = batch * (input_len + np.arange(1, output_len, dtype=float))
+    decode = cm.step_time(BatchShape(decode_seqs=batch, decode_ctx=ctx))
+    return 1e3 * float(prefill + np.sum(decode))
+
+
+def predict(point: Point, hw: HardwareSpec, cm: RooflineCostModel | None = None) -> float:
+    """Our number for `point` on `hw` (already calibrated), in the point's unit; `cm` may pass
+    the cost model already built for that (model, hw, tp)."""
+    cm = cm or RooflineCostModel(point.model, hw, point.tp)
+    if point.kind == "serving":
+        from flowyard.costmodel.replay import replay
+
+        return replay(point, cm)
+    if point.kind == "generation":
+        w = point.workload
+        return generation_ms(cm, int(w["batch"]), int(w["input_len"]), int(w["output_len"]))
     shape = shape_of(point)
     if point.kind == "step":
         return 1e3 * float(cm.step_time(shape))
@@ -96,79 +164,83 @@ def predict(point: Point, hw: HardwareSpec) -> float:
     raise ValueError(f"unknown point kind {point.kind!r}")
 
 
-def evaluate(calibration: str = "vidur", points: list[Point] | None = None) -> list[Row]:
-    """The fidelity table under one calibration."""
+def evaluate(calibration: str = "published", points: list[Point] | None = None,
+             engine: str | None = None, serving: bool = True) -> list[Row]:
+    """The fidelity table under one calibration, each point priced with its own engine
+    profile (or `engine` for all). serving=False leaves out the simulator replays."""
     pts = published_points() if points is None else points
-    return [Row(p, predict(p, calibrated(get_hardware(p.hardware), calibration, p.kernel)))
-            for p in pts]
+    return [Row(p, predict(p, calibrated(get_hardware(p.hardware), calibration, p.kernel,
+                                         engine=engine or p.engine)))
+            for p in pts if serving or p.kind != "serving"]
+
+
+def evaluate_fit(fit: Fit, points: list[Point]) -> list[Row]:
+    """The table under a `Fit` (a cross-validation fold, or a fit not yet written)."""
+    return [Row(p, v) for p, v in zip(points, predict_fit(fit, points))]
+
+
+def predict_fit(fit: Fit, points: list[Point]) -> list[float]:
+    """predict() for every point under `fit`, building each (GPU, profile, kernel) spec and
+    each (model, spec, TP) cost model once: the fit's loss calls this thousands of times."""
+    hws: dict[tuple, HardwareSpec] = {}
+    cms: dict[tuple, RooflineCostModel] = {}
+    out = []
+    for p in points:
+        hk = (p.hardware, p.engine, p.kernel)
+        if hk not in hws:
+            hws[hk] = fit.hardware(*hk)
+        mname = p.model if isinstance(p.model, str) else p.model.name
+        ck = (mname, hk, p.tp)
+        if ck not in cms:
+            cms[ck] = RooflineCostModel(p.model, hws[hk], p.tp)
+        out.append(predict(p, hws[hk], cms[ck]))
+    return out
 
 
 def summary(rows: list[Row]) -> dict[str, float]:
     """Median and max absolute relative error, and how many points pass 10 % and 25 %."""
-    errs = np.abs([r.error for r in rows])
+    errs = np.abs([r.error for r in rows]) if rows else np.zeros(1)
     return {"points": len(rows), "median_abs_error": float(np.median(errs)),
             "max_abs_error": float(errs.max()), "within_10pct": int((errs <= 0.10).sum()),
             "within_25pct": int((errs <= 0.25).sum())}
 
 
-def group(point: Point) -> str:
-    """Source group a point is weighted in when fitting."""
-    return point.kind if point.kind != "step" else "end-to-end step"
+HOST_KINDS = ("step", "generation", "cpu_overhead")  # kinds whose prediction has host terms
 
 
-def _loss(rows_pred: list[tuple[Point, float]]) -> float:
-    by: dict[str, list[float]] = {}
-    for p, pred in rows_pred:
-        if p.is_range:
-            err = abs(Row(p, pred).error)
-            val = math.log1p(err)
-        else:
-            val = abs(math.log(max(pred, 1e-12) / p.measured))
-        by.setdefault(group(p), []).append(val)
-    return float(np.mean([np.mean(v) for v in by.values()]))
+def fittable(points: list[Point]) -> list[Point]:
+    """The points a fit may use: everything but the serving replays."""
+    return [p for p in points if p.kind != "serving"]
 
 
-def fit_published(iters: int = 3000, base=None, restarts: int = 2) -> dict[str, float]:
-    """Fit FIT_KEYS on the A100 points (the only GPU with step-level data here): Nelder-Mead
-    from `base`, restarted from its own result (the simplex collapses on the flat directions).
-    The loss has several local minima along a flat direction (eff_attn against attn_tile):
-    the default start, FIT_START (the previous 'published' constants), gives the constants in
-    hardware.py exactly; from A100_PARAMS the fit lands in a worse minimum (max error ~38 %),
-    and restarting from the constants moves on to a slightly lower mean loss but a 27 % max
-    error on the short-query prefill rows."""
-    if base is None:
-        base = FIT_START
-    fitted: dict[str, float] = {}
-    for _ in range(restarts):
-        fitted = _fit_once(iters, replace(base, **fitted))
-    return fitted
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    import subprocess
 
+    from flowyard.costmodel.engines import CALIBRATION_FILE
 
-def _fit_once(iters: int, base) -> dict[str, float]:
-    pts = [p for p in published_points() if p.hardware.startswith("a100")]
-    hws = {p.hardware: get_hardware(p.hardware) for p in pts}
-    causal = base.attn_causal_extra or KERNEL_TERMS["vidur-profile"]["attn_causal_extra"]
-    x0 = np.log([base.step_overhead_s, max(base.seq_overhead_s, 1e-6), base.eff_attn,
-                 base.attn_tile, base.eff_attn_mem, max(base.attn_fixed_s, 1e-6),
-                 max(causal, 0.1), max(base.seq_overhead_layer_s, 1e-7)])
+    ap = argparse.ArgumentParser(description="fit the 'published' calibration on the published points")
+    ap.add_argument("--write", action="store_true", help=f"write {CALIBRATION_FILE}")
+    args = ap.parse_args(argv)
+    from flowyard.costmodel.refit import fit_points
 
-    def loss(x: np.ndarray) -> float:
-        vals = dict(zip(FIT_KEYS, (float(v) for v in np.exp(x))))
-        shared = replace(base, **{k: (0.0 if k in KERNEL_KEYS else v) for k, v in vals.items()})
-        own = {kern: replace(shared, **{k: vals[k] for k, kk in KERNEL_KEYS.items() if kk == kern})
-               for kern in set(KERNEL_KEYS.values())}
-        return _loss([(p, predict(p, replace(hws[p.hardware], params=own.get(p.kernel, shared))))
-                      for p in pts])
-
-    x = nelder_mead(loss, x0, iters=iters)
-    return dict(zip(FIT_KEYS, (float(v) for v in np.exp(x))))
-
-
-def main() -> None:
-    fitted = fit_published()
-    print("fitted on the A100 points:", {k: f"{v:.4g}" for k, v in fitted.items()})
-    for cal in ("vidur", "published"):
-        print(cal, summary(evaluate(cal)))
+    pts = published_points()
+    fit = fit_points(pts)
+    rows = evaluate_fit(fit, fittable(pts))
+    print("fitted:", json.dumps(fit.to_json(), indent=1))
+    print("in-sample (no serving replays):", summary(rows))
+    if args.write:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=CALIBRATION_FILE.parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=CALIBRATION_FILE.parent).stdout.strip()
+        doc = {"note": "written by python -m flowyard.costmodel.fit --write at revision "
+                       f"{rev}{' (uncommitted changes)' if dirty else ''} from "
+                       f"{len(fittable(pts))} published points (serving replays never fitted)",
+               **fit.to_json()}
+        CALIBRATION_FILE.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {CALIBRATION_FILE}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from flowyard.costmodel.catalog import lookup
+from flowyard.costmodel.engines import EngineProfile, calibration_data, get_engine_profile
 
 GB = 1e9
 GiB = 1024**3
@@ -157,52 +158,52 @@ HARDWARE_NAMES: tuple[str, ...] = tuple(HARDWARE)
 # operator profiles and the overhead and attention terms assumed.
 # 'published': the same GEMM/elementwise/all-reduce factors, with the assumed terms refitted by
 # `python -m flowyard.costmodel.fit` on the published GPU points of
-# `flowyard.costmodel.published` (Vidur's A100 attention and CPU-overhead profiles, DynaServe
-# Table 1 and Fig. 6, a vLLM A100 decode measurement; see docs/results/fidelity_published.md).
-# Only A100 has step-level points, so H100/H200 take the fitted host-side terms
-# (step_overhead_s, seq_overhead_s) and attn_fixed_s, and keep their own attention
-# efficiencies (FlashAttention-3 paper) -- an assumption the table cannot check.
-# Fitted values (python -m flowyard.costmodel.fit); the vidur values were 300e-6, 5e-6, 0.6,
-# 128, 0.7, 0, 0, 0.
+# `flowyard.costmodel.published` (flowyard/data/published_points.json; see
+# docs/results/fidelity_published.md). The attention terms are fitted on A100 rows only; H100 /
+# H200 keep their own attention efficiencies (FlashAttention-3 paper) and take attn_fixed_s and
+# the engine profile's host terms.
+# The fitted values live in flowyard/data/calibration.json, written by
+# `python -m flowyard.costmodel.fit --write` (the vidur values were 300e-6, 5e-6, 0.6, 128, 0.7,
+# 0, 0, 0): the A100 attention terms ("kernel"), terms of one measured kernel ("kernel_only"),
+# and the host-side terms per engine profile (flowyard.costmodel.engines), each profile fitted
+# on its own source family.
 # attn_causal_extra is a term of the kernel Vidur profiled, not of the serving stacks: its
 # prefill rows price a new token's causal pair at ~2x a cached pair up to 3.6k new tokens,
 # while DynaServe Table 1 (vLLM 0.7.2, FlashAttention-2, same A100) serves 0.83 rps of
-# 8192-token prefills on one GPU, which bounds such a prefill by 1205 ms -- ~400 ms below what
-# that extra cost adds up to at 8k. So the fit prices Vidur's attention rows with it
-# (KERNEL_TERMS['vidur-profile']) and the simulator's 'published' factors leave it at 0.
-_FITTED_A100 = dict(step_overhead_s=1.086e-3, seq_overhead_s=1.305e-05, eff_attn=0.4449,
-                    attn_tile=485.7, eff_attn_mem=0.7523, attn_fixed_s=1.495e-05,
-                    seq_overhead_layer_s=3.046e-06)
-KERNEL_TERMS: dict[str, dict[str, float]] = {"vidur-profile": {"attn_causal_extra": 1.089}}
-_HOST_TERMS = ("step_overhead_s", "seq_overhead_s", "seq_overhead_layer_s", "attn_fixed_s")
+# 8192-token prefills on one GPU, which bounds such a prefill by 1205 ms. So the fit prices
+# Vidur's attention rows with it (KERNEL_TERMS['vidur-profile']) and the simulator's
+# 'published' factors leave it at 0.
+_CAL = calibration_data()
+_FITTED_A100 = dict(_CAL["kernel"])
+KERNEL_TERMS: dict[str, dict[str, float]] = {k: dict(v) for k, v in _CAL["kernel_only"].items()}
 PUBLISHED_PARAMS: dict[RooflineParams, RooflineParams] = {
     A100_PARAMS: replace(A100_PARAMS, **_FITTED_A100),
-    H100_PARAMS: replace(H100_PARAMS, **{k: _FITTED_A100[k] for k in _HOST_TERMS}),
+    H100_PARAMS: replace(H100_PARAMS, attn_fixed_s=_FITTED_A100["attn_fixed_s"]),
 }
 CALIBRATIONS: tuple[str, ...] = ("vidur", "published")
 # The simulator's default (make_cost_model, SimConfig, `--calibration`): 'published', the
-# factor set docs/results/fidelity_published.md validates (issue 15: median 3.3 %, max 24.3 %
-# over 34 published points; 'vidur' 47.5 % / 99.6 %). On the end-to-end serving steps alone the
-# two are close (median 10.4 vs 10.8 %); 'published' is the one whose per-sequence CPU cost
-# meets DynaServe Table 1 at batch 125 (vLLM 0.7.2: +17 % vs -22 %).
+# factor set docs/results/fidelity_published.md validates by leave-one-source-out
+# cross-validation, with the engine profile DEFAULT_ENGINE_PROFILE (today's vLLM).
 DEFAULT_CALIBRATION = "published"
 
 
-def calibrated(hw: HardwareSpec, calibration: str = DEFAULT_CALIBRATION,
-               kernel: str = "") -> HardwareSpec:
-    """`hw` with the factors of a named calibration. Hardware with no published fit (the CPU
-    box, custom specs) keeps its own factors under every calibration. `kernel` names the
-    measured kernel of a published point whose own terms (KERNEL_TERMS) apply on top, under
-    'published' only; the simulator never passes it."""
+def calibrated(hw: HardwareSpec, calibration: str = DEFAULT_CALIBRATION, kernel: str = "",
+               engine: str | EngineProfile | None = None) -> HardwareSpec:
+    """`hw` with the factors of a named calibration and, under 'published', the host-side
+    terms of an engine profile (None: DEFAULT_ENGINE_PROFILE). Hardware with no published fit
+    (the CPU box, custom specs) keeps its own factors under every calibration. `kernel` names
+    the measured kernel of a published point whose own terms (KERNEL_TERMS) apply on top,
+    under 'published' only; the simulator never passes it."""
     name = calibration.strip().lower()
     if name not in CALIBRATIONS:
         raise ValueError(f"unknown calibration {calibration!r}; choose one of {', '.join(CALIBRATIONS)}")
+    profile = get_engine_profile(engine)  # an unknown name is an error under any calibration
     if name == "vidur":
         return hw
     params = PUBLISHED_PARAMS.get(hw.params)
     if params is None:
         return hw
-    return replace(hw, params=replace(params, **KERNEL_TERMS.get(kernel, {})))
+    return replace(hw, params=replace(params, **profile.terms(), **KERNEL_TERMS.get(kernel, {})))
 
 
 def get_hardware(name: str | HardwareSpec) -> HardwareSpec:

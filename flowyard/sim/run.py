@@ -75,6 +75,8 @@ class SimConfig:
     # ("NAME[:SCALE],..."), then the result repeated `tile` times back to back.
     mix: str | None = None
     tile: int = 1
+    # host-side costs of the emulated serving stack (costmodel.engines); None: the default
+    engine_profile: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "instances", "max_num_seqs", "block_size"):
@@ -149,7 +151,8 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
         from flowyard.costmodel.profiled import ProfiledCostModel
 
         return ProfiledCostModel(cfg.profile)
-    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp, calibration=cfg.calibration)
+    return make_cost_model(cfg.model, cfg.hardware, tp=cfg.tp, calibration=cfg.calibration,
+                           engine_profile=cfg.engine_profile)
 
 
 def build_topology(cfg: SimConfig) -> Topology:

@@ -12,11 +12,11 @@ from flowyard.sweep.runner import Pending, Sweep, current, digest
 
 
 @lru_cache(maxsize=8)
-def _cost(model: str, hardware: str, tp: int, calibration: str, profile: str | None):
+def _cost(model: str, hardware: str, tp: int, calibration: str, profile: str | None, engine_profile: str | None):
     from flowyard.sim.run import SimConfig, build_cost_model
 
     return build_cost_model(SimConfig(model=model, hardware=hardware, tp=tp, calibration=calibration,
-                                      profile=profile))
+                                      profile=profile, engine_profile=engine_profile))
 
 
 def attainment(cfg, workload) -> float:
@@ -24,7 +24,7 @@ def attainment(cfg, workload) -> float:
     process)."""
     from flowyard.sim.run import simulate
 
-    cost = _cost(cfg.model, cfg.hardware, cfg.tp, cfg.calibration, cfg.profile)
+    cost = _cost(cfg.model, cfg.hardware, cfg.tp, cfg.calibration, cfg.profile, cfg.engine_profile)
     summary, _ = simulate(cfg, workload, cost_model=cost)
     return summary.slo_attainment
 

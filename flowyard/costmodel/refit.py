@@ -1,0 +1,152 @@
+"""Fitting the 'published' calibration and its leave-one-source-out cross-validation.
+
+`fit_points` fits what the published points can identify (fit.Fit: A100 attention terms, the
+kernel-only term of Vidur's profiled kernel, each engine profile's host terms on its own
+stacks' points) by Nelder-Mead in log space from the 'vidur' calibration's assumed values
+(fit.PRIOR), staged: the kernel terms first, then each profile on its own points, then all
+together. The loss is the mean |log(predicted/measured)| with every (source family, kind)
+group weighted alike, so 39 Vidur rows do not outvote four vLLM runs; serving replays are
+never fitted. `cross_validate` refits without each source family in turn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flowyard.costmodel.calibrate import nelder_mead
+from flowyard.costmodel.fit import (ENGINE_KEYS, HOST_KINDS, KERNEL_KEYS, KERNEL_ONLY, PRIOR, Fit,
+                                    Row, fittable, predict, predict_fit)
+from flowyard.costmodel.published import Point
+
+PRIOR_KERNEL = {k: PRIOR[k] for k in KERNEL_KEYS}
+RIDGE = 1e-3  # weight of the pull to PRIOR per log-unit squared (a factor e costs 0.1 % error)
+# Physical limits: a kernel cannot beat the datasheet peak it is a fraction of.
+CEILING = {"eff_attn": 1.0, "eff_attn_mem": 1.0}
+FLOOR = 1e-7  # seconds for host terms; no fitted term is smaller than this in any unit
+
+
+def group(point: Point) -> str:
+    """The loss group a point is weighted in: its source family and kind."""
+    return f"{point.family}/{point.group}"
+
+
+def _loss(rows_pred: list[tuple[Point, float]]) -> float:
+    by: dict[str, list[float]] = {}
+    for p, pred in rows_pred:
+        if p.is_range:
+            val = math.log1p(abs(Row(p, pred).error))
+        else:
+            val = abs(math.log(max(pred, 1e-12) / p.measured))
+        by.setdefault(group(p), []).append(val)
+    return float(np.mean([np.mean(v) for v in by.values()]))
+
+
+
+
+def fit_points(points: list[Point], iters: int = 1500, restarts: int = 1) -> Fit:
+    """Fit the terms these points can identify (Nelder-Mead in log space from PRIOR, with a
+    weak pull back to PRIOR so that a term the points say nothing about stays where the
+    'vidur' calibration assumed it instead of wandering along a flat direction)."""
+    pts = fittable(points)
+    engines = {e: tuple(sorted({p.family for p in pts if p.engine == e and p.kind in HOST_KINDS}))
+               for e in ENGINE_KEYS}
+    keys: list[tuple[str, str]] = [("kernel", k) for k in KERNEL_KEYS]
+    kfams = tuple(sorted({p.family for p in pts if p.kernel == "vidur-profile"}))
+    if kfams:
+        keys.append(("kernel_only", "attn_causal_extra"))
+    for e, fams in engines.items():
+        if fams:
+            keys += [(e, k) for k in ENGINE_KEYS[e]]
+    x = x0 = np.log([PRIOR[k] for _, k in keys])
+
+    def build(xv: np.ndarray) -> Fit:
+        vals = np.maximum(np.exp(xv), FLOOR)  # a term the data drive to 0 stops at FLOOR
+        vals = [min(v, CEILING.get(k, v)) for (_, k), v in zip(keys, vals)]
+        kernel = dict(PRIOR_KERNEL)
+        kernel_only: dict[str, dict[str, float]] = {"vidur-profile": {"attn_causal_extra": 0.0}}
+        eng: dict[str, dict[str, float]] = {e: {} for e in ENGINE_KEYS}
+        for (where, k), v in zip(keys, vals):
+            if where == "kernel":
+                kernel[k] = float(v)
+            elif where == "kernel_only":
+                kernel_only[KERNEL_ONLY[k]][k] = float(v)
+            else:
+                eng[where][k] = float(v)
+        on = {e: f for e, f in engines.items() if f}
+        if kfams:
+            on["kernel:vidur-profile"] = kfams
+        return Fit(kernel, kernel_only, eng, on)
+
+    def loss_on(sub: list[Point]):
+        def loss(xv: np.ndarray) -> float:
+            return (_loss(list(zip(sub, predict_fit(build(xv), sub))))
+                    + RIDGE * float(np.mean((xv - x0) ** 2)))
+        return loss
+
+    def stage(idx: list[int], sub: list[Point], step: float, n: int) -> None:
+        """Nelder-Mead over the coordinates `idx` of x, on the points `sub`."""
+        nonlocal x
+        if not idx or not sub or n <= 0:
+            return
+        base = x.copy()
+
+        def f(y: np.ndarray) -> float:
+            z = base.copy()
+            z[idx] = y
+            return loss_on(sub)(z)
+        x = base.copy()
+        x[idx] = nelder_mead(f, base[idx], step=step, iters=n)
+
+    # Staged: the kernel terms first (engine terms at their prior), then each profile's host
+    # terms on its own points, then all together from there; a simplex over all 13 terms
+    # from the prior stalls in the flat directions.
+    kern = [i for i, (w, _) in enumerate(keys) if w in ("kernel", "kernel_only")]
+    stage(kern, pts, 1.0, iters // 2)
+    for e in ENGINE_KEYS:
+        stage([i for i, (w, _) in enumerate(keys) if w == e],
+              [p for p in pts if p.engine == e and p.kind in HOST_KINDS], 1.0, iters // 4)
+    for _ in range(restarts):
+        stage(list(range(len(keys))), pts, 0.3, iters)
+    return build(x)
+
+
+
+
+
+def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, workers: int = 1
+                   ) -> tuple[list[Row], dict[str, Fit], list[Point]]:
+    """Leave-one-source-out: for each family, fit on the others and predict it. Returns the
+    rows of every point (in `points` order), each family's fold fit, and the points no fold
+    can check (`checkable`): those resting on terms only their own family measures -- Vidur's
+    CPU phases are the eager-2023 profile and its attention rows the one kernel it profiled;
+    left out, nothing else defines them, and they are priced with the fold's fallbacks. A
+    family with no fittable point leaves the fit unchanged: it reuses the all-points fit."""
+    fams = list(dict.fromkeys(p.family for p in points))
+    train = {f: [p for p in points if p.family != f] for f in fams}
+    todo = [f for f in fams if any(p.family == f for p in fittable(points))]
+    jobs = todo + ["*all*"] if len(todo) < len(fams) else todo
+    sets = [train[f] if f != "*all*" else points for f in jobs]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as ex:
+            fits = list(ex.map(fit_points, sets, [iters] * len(jobs), [restarts] * len(jobs)))
+    else:
+        fits = [fit_points(t, iters, restarts) for t in sets]
+    by_job = dict(zip(jobs, fits))
+    folds = {f: by_job.get(f, by_job.get("*all*")) for f in fams}
+    unchecked = [p for p in points if not checkable(p, folds[p.family])]
+    rows = [Row(p, predict(p, folds[p.family].hardware(p.hardware, p.engine, p.kernel)))
+            for p in points]  # serving replays: cached per fold's factors
+    return rows, folds, unchecked
+
+
+def checkable(point: Point, fold: Fit) -> bool:
+    """Whether `fold` can price `point` without terms only the point's own family measures:
+    the host terms of its engine profile (for kinds that have them) and the terms of the one
+    kernel it timed."""
+    if point.kind in HOST_KINDS and not fold.fitted_on.get(point.engine):
+        return False
+    return not point.kernel or bool(fold.fitted_on.get(f"kernel:{point.kernel}"))
