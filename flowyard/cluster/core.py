@@ -162,8 +162,8 @@ class ClusterCore:
         moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
         for st, dst in moves:
             if dst is None:
-                self.transport.fail(instance, st, "no instance that can continue this request is up "
-                                                  "(one is restarting); retry")
+                self.transport.fail(instance, st, "every instance that could continue this request is down "
+                                                  "(restarting); retry")
         moves = [(st, dst) for st, dst in moves if dst is not None]
         if gs.routes_decode:
             for st in result.prefilled:
