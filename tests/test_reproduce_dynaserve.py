@@ -129,3 +129,9 @@ def test_length_error_verdict_follows_the_run(tiny):
     zero = with_goodput(lambda k: 0.0)
     assert "as in the paper" not in zero.split("**Length error**")[1].split("\n")[0]
     assert "not measured (no goodput)" in zero
+
+
+def test_report_shows_only_registered_figures(tiny):
+    from test_reproduce_figures import assert_rendered_are_built
+
+    assert_rendered_are_built("dynaserve", tiny[1].read_text(encoding="utf-8"))

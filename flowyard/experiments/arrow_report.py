@@ -10,7 +10,8 @@ from pathlib import Path
 
 from flowyard.experiments.arrow import (ARROW, DISAGG, HARDWARE, MODEL, SCALE_POLICIES, TARGET, VLLM, VLLM_DP, Results,
                                         Search, WorkloadResult, to_json)
-from flowyard.experiments.arrow_notes import (MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
+from flowyard.experiments.figures import NOT_BUILT_HEADING
+from flowyard.experiments.arrow_notes import (not_reproduced, MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
                                               goodput_ratio, ratio_text)
 from flowyard.experiments.report import wrong_side
 from flowyard.experiments.common import BAND, Report, curve_panel, figure, fmt_x, log_x, ratio, save, source_revision
@@ -232,6 +233,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _fig8(res, rep)
     _fig9(res, rep)
     rep.add("## Where and why ours differ", differences(res))
+    rep.add(NOT_BUILT_HEADING, not_reproduced())
     if t.failures:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
                 "They count as missing the target and are left out of the curves:",

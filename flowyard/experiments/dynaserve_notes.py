@@ -179,29 +179,18 @@ def lcu_decodes() -> int:
 
 
 def not_reproduced(res: Results) -> str:
-    """The figures this report does not rerun, each with the reason."""
-    return "\n".join([
-        "- **Fig. 3** (per-minute prompt and response tokens of Azure Code and BurstGPT with a 'balanced' decode "
-        "curve): a trace plot, not a serving result; the bundled BurstGPT is its 400-row public head (11.5 h at "
-        "0.0096 req/s), too sparse for per-minute curves.",
-        "- **Fig. 5** (one request of 1024 + 1024 tokens split at each position between two GPUs): DynaServe's "
-        "split search (Alg. 1) is exercised on every run of Figs. 8-9 and Table 2; a single request on an idle "
-        "pair is the case where the roofline's step time is nearly flat in the batch (weight-bound decode), so "
-        "the curve would show the KV hand-off and our link model only.",
-        f"- **Fig. 6** (mixed-batch latency against decode count): its one stated number, the LCU point, is in the "
-        f"headline ({lcu_decodes()} decodes here, paper {PAPER_LCU['decodes']}); the same point is one of the "
-        "published measurements the cost model is fitted on (docs/results/fidelity_published.md), so it is a "
-        "check of the fit, not independent. The TFLOP/s panels need per-kernel utilisation the roofline does not "
-        "model.",
-        "- **Fig. 10** (goodput every 6 min over BurstGPT's 311th hour, 42 min): that hour is not in the public "
-        "400-row head of BurstGPT bundled here.",
-        "- **Fig. 11** (TBT CDF with and without SLO-aware batching): `dynaserve` has no switch that keeps the "
-        "split search and drops Alg. 2's step budget (DynaServeConfig.split=False drops the split instead); "
-        "Table 1's P99 TBT of DynaServe against colocation with 2048-token chunks shows the same contrast.",
-        f"- **Table 3** (scheduler overhead, {min(PAPER_T3_MS):g}-{max(PAPER_T3_MS):g} ms per request, C++): a "
-        "wall-clock cost of our Python split search, not a simulated quantity: `python "
-        "benchmarks/dynaserve_split_cost.py` measures it per decision against the round-robin router.",
-    ])
+    """The "figures not reproduced" section, generated from the figure registry, with the numbers
+    this run computes for some of them."""
+    from flowyard.experiments.figures import not_built_section
+
+    return not_built_section("dynaserve", {
+        "Fig. 6": f"its one stated number, the LCU point, is in the headline ({lcu_decodes()} decodes here, paper "
+                  f"{PAPER_LCU['decodes']}) but labelled a fit input: the 'published' calibration was fitted on it "
+                  "(flowyard/costmodel/published.py), so it is not an independent check. The TFLOP/s panels need "
+                  "per-kernel utilisation the roofline does not model.",
+        "Fig. 11": "Table 1's P99 TBT of DynaServe against colocation with 2048-token chunks shows the same contrast.",
+        "Table 3": f"The paper: {min(PAPER_T3_MS):g}-{max(PAPER_T3_MS):g} ms per request.",
+    })
 
 
 def notes(res: Results) -> str:

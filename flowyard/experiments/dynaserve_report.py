@@ -15,6 +15,7 @@ from flowyard.experiments.common import (Report, bar_panel, curve_panel, figure,
                                          ratio, save, source_revision)
 from flowyard.experiments.dynaserve import BASE, CURVE, MODELS, SHAPES, SYSTEMS, WORKLOADS, Results
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, DSPoint
+from flowyard.experiments.figures import NOT_BUILT_HEADING
 from flowyard.experiments.dynaserve_notes import (PAPER_CAPACITY, PAPER_GOODPUT_UP_TO, PAPER_HYBRID,
                                                   PAPER_KV_REDUCTION, PAPER_LCU, PAPER_LENGTH_ERROR_BAND, PAPER_T1,
                                                   PAPER_T4, SETUP, lcu_decodes, not_reproduced, notes, verdict)
@@ -220,7 +221,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     sensitivity(rep, res)
     kv(rep, res)
     rep.add("## Why ours differ", notes(res))
-    rep.add("## Figures not reproduced, and why", not_reproduced(res))
+    rep.add(NOT_BUILT_HEADING, not_reproduced(res))
     failures = res.tally.failures
     rep.add(f"Runs that did not finish: {len(failures)}" + "".join(f"\n- {f}" for f in failures[:20]))
     (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")

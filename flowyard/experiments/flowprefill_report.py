@@ -14,7 +14,8 @@ from flowyard.experiments.common import (Report, Threshold, band_verdict, bar_pa
                                          fmt_ms, fmt_range, fmt_x, log_x, ratio, save, source_revision)
 from flowyard.experiments.flowprefill import (HARDWARE, MODELS, PRIMARY, SENSITIVITY_SYSTEMS, SYSTEMS, TARGET,
                                               Results)
-from flowyard.experiments.flowprefill_notes import PAPER, cost_figures, differences
+from flowyard.experiments.figures import NOT_BUILT_HEADING
+from flowyard.experiments.flowprefill_notes import PAPER, cost_figures, differences, not_reproduced
 
 FP = "FlowPrefill"
 LABELS = {m: label for m, _, label in MODELS}
@@ -273,5 +274,6 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
                 "\n".join(f"- {f[:300]}" for f in t.failures[:12]) + ("\n- …" if len(t.failures) > 12 else ""))
     _json(res, rep.figure_path("results.json"))
     rep.add("## Figs. 3 and 4: lone prefills priced by the cost model", cost_figures(HARDWARE))
+    rep.add(NOT_BUILT_HEADING, not_reproduced())
     rep.changes()
     return rep.write()
