@@ -255,7 +255,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
     command = " ".join(["flowyard reproduce", shlex.quote(name)]
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
-                       + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else []))
+                       + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else [])
+                       + (["--allow-dirty"] if args.allow_dirty else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
         runs = [0]
@@ -265,7 +266,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             bar(runs[0], None, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
 
         log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
-        path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+        path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log,
+                              allow_dirty=args.allow_dirty)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -300,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
+    r.add_argument("--allow-dirty", action="store_true",
+                   help="run from a checkout with uncommitted changes (the report's first line then says so)")
     r.set_defaults(func=cmd_reproduce)
     from flowyard.bench.cli_bench import add_bench_parser
     from flowyard.costmodel.cli_validate import add_validate_parser

@@ -21,7 +21,7 @@ from flowyard.policies.pla import is_short
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    assert main(["reproduce", "pla-serve", "--quick", "--out", str(out), "--quiet"]) == 0
+    assert main(["reproduce", "pla-serve", "--quick", "--out", str(out), "--quiet", "--allow-dirty"]) == 0
     return out
 
 
@@ -75,7 +75,7 @@ def test_report_has_the_papers_numbers_beside_ours(quick_report):
         assert section in md, section
     for fig in ("**Fig. 1**", "**Fig. 3**", "Fig. 5", "Fig. 8", "W_min = ", "**abstract**"):
         assert fig in md.split("## Figures not reproduced")[1], fig
-    assert f"`flowyard reproduce pla-serve --out {quick_report} --quick`" in md
+    assert f"`flowyard reproduce pla-serve --out {quick_report} --quick --allow-dirty`" in md
     assert "s of wall time" in md and "**Quick mode**" in md and "qwen2.5-14b" in md
     for system in ("SGLang-like PD (distserve)", "PLA, graphs only", "PLA, disaggregation only", "PLA, full (pla)",
                    "vanilla DP (vllm)", "PD + round-robin router", "PLA deadline-free (pla)"):

@@ -4,7 +4,6 @@ number comes from the `Results` passed in; the typed-in numbers are the paper's 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -238,6 +237,6 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
                 "They count as missing the target and are left out of the curves:",
                 "\n".join(f"- {f[:300]}" for f in t.failures[:12]) + ("\n- …" if len(t.failures) > 12 else ""))
-    rep.figure_path("results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")
+    rep.write_json(to_json(res))
     rep.changes()
     return rep.write()

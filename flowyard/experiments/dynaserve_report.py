@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 from dataclasses import asdict
@@ -224,7 +223,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     rep.add(NOT_BUILT_HEADING, not_reproduced(res))
     failures = res.tally.failures
     rep.add(f"Runs that did not finish: {len(failures)}" + "".join(f"\n- {f}" for f in failures[:20]))
-    (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")
+    rep.write_json(to_json(res))
     rep.changes()
     return rep.write()
 

@@ -7,7 +7,6 @@ cost model the runs used); the only typed-in numbers are the paper's (`PAPER`), 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -289,7 +288,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
             **{k: {cl: {lab: [[c, dataclasses.asdict(p)] for c, p in pts] for lab, pts in curves.items()}
                    for cl, curves in getattr(res, k).items()} for k in ("fig6", "fig7")},
             "distill": {tr: {lab: dataclasses.asdict(p) for lab, p in d.items()} for tr, d in res.distill.items()}}
-    rep.figure_path("results.json").write_text(json.dumps(_finite(data), indent=1), encoding="utf-8")
+    rep.write_json(_finite(data))
     rep.changes()
     return rep.write()
 

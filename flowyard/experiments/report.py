@@ -4,6 +4,7 @@ by `flowyard.experiments.common`."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -173,18 +174,11 @@ def conclusion(verdict: str) -> str:
 
 def source_revision() -> str:
     """The flowyard checkout's commit, "+ uncommitted changes" when its sources differ from it;
-    "" outside a git checkout."""
-    import subprocess
+    "" outside a git checkout (`provenance.git_state`)."""
+    from flowyard.experiments.provenance import git_state
 
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                "flowyard"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return "" if not rev else rev + (" + uncommitted changes" if dirty else "")
+    g = git_state()
+    return "" if not g.revision else g.short + (" + uncommitted changes" if g.dirty else "")
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -197,6 +191,11 @@ class Report:
     """A markdown document under `out_dir`, with figures in `out_dir/<name>/`."""
 
     def __init__(self, out_dir: Path, name: str) -> None:
+        from flowyard.experiments.provenance import current
+
+        #: the run's record (revision, command, seeds, machine, wall time, cost model): the report's
+        #: first line when the code was not committed, its "Provenance" section, and results.json's
+        self.provenance = current()
         self.out_dir, self.name = Path(out_dir), name
         self.fig_dir = self.out_dir / name
         self.fig_dir.mkdir(parents=True, exist_ok=True)
@@ -236,9 +235,20 @@ class Report:
     def image(self, file: str, alt: str) -> None:
         self.parts.append(f"![{alt}]({self.name}/{file})")
 
+    def write_json(self, data: dict, file: str = "results.json", default=None) -> Path:
+        """`data` as `file` in the figure directory, with the run's provenance under "provenance"."""
+        path = self.figure_path(file)
+        path.write_text(json.dumps({"provenance": self.provenance.as_dict(), **data}, indent=1, default=default),
+                        encoding="utf-8")
+        return path
+
     def write(self) -> Path:
+        """The markdown file, opening with the uncommitted-code warning when there is one and
+        closing with the provenance section."""
         path = self.out_dir / f"{self.name}.md"
-        path.write_text("\n\n".join(self.parts).rstrip() + "\n", encoding="utf-8")
+        first = self.provenance.first_line()
+        parts = ([first] if first else []) + self.parts + ["## Provenance", self.provenance.section()]
+        path.write_text("\n\n".join(parts).rstrip() + "\n", encoding="utf-8")
         return path
 
 
