@@ -104,3 +104,15 @@ def test_reproduce_refuses_a_dirty_checkout_before_running(repo, tmp_path, monke
     err = capsys.readouterr().err
     assert "uncommitted changes" in err and "--allow-dirty" in err
     assert not (tmp_path / "o" / "flowprefill.md").exists()
+
+
+def test_the_next_report_reads_the_dirty_revision_back(repo, tmp_path):
+    (repo / "flowyard" / "m.py").write_text("x = 5\n")
+    p = begin("cmd", allow_dirty=True, root=repo)
+    with recording(p):
+        for _ in range(2):
+            rep = Report(tmp_path, "again")
+            rep.add("# Again")
+            rep.changes()
+            md = rep.write().read_text(encoding="utf-8")
+    assert f"({p.revision[:7]} + uncommitted changes)" in md.split("## What changed")[1]

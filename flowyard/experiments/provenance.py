@@ -135,7 +135,8 @@ class Provenance:
         if not self.dirty:
             return ""
         files = ", ".join(s[3:] for s in self.dirty[:5]) + (", …" if len(self.dirty) > 5 else "")
-        return (f"{DIRTY_LINE} (revision {self.revision[:7] or 'unknown'} plus uncommitted changes to {files}; "
+        # "revision <hash> + uncommitted changes" is the form Report.changes reads back from an old report
+        return (f"{DIRTY_LINE} (revision {self.revision[:7] or 'unknown'} + uncommitted changes, to {files}; "
                 "written with --allow-dirty): no revision holds the code that produced these numbers.")
 
     def section(self) -> str:
