@@ -100,7 +100,7 @@ REGISTRY: tuple[Figure, ...] = (
     _f("dynaserve", "Fig. 1", "latency-throughput trade-off of colocation and disaggregation", why=_DIAGRAM),
     _f("dynaserve", "Fig. 2", "colocation, disaggregation and micro-request architectures", why=_DIAGRAM),
     _f("dynaserve", "Fig. 3", "per-minute prompt and response tokens of Azure Code and BurstGPT",
-       why="a trace plot, not a serving result; the bundled BurstGPT is its 399-row public head, too sparse "
+       why="a trace plot, not a serving result; the bundled BurstGPT is its 400-row public head, too sparse "
            "for per-minute curves"),
     _f("dynaserve", "Fig. 4", "adaptive request partition (micro-requests)", why=_DIAGRAM),
     _f("dynaserve", "Fig. 5", "one 1024+1024 request split at each position over two GPUs",
@@ -115,7 +115,7 @@ REGISTRY: tuple[Figure, ...] = (
     _f("dynaserve", "Fig. 9", "serving capacity (P99 TBT within SLO)", _DS, "Results.capacity"),
     _f("dynaserve", "Table 2", "hybrid workload: capacity and goodput", _DS, "Results.hybrid"),
     _f("dynaserve", "Fig. 10", "goodput every 6 min over BurstGPT's 311th hour",
-       why="that hour is not in the public 399-row head of BurstGPT bundled here"),
+       why="that hour is not in the public 400-row head of BurstGPT bundled here"),
     _f("dynaserve", "Fig. 11", "TBT CDF with and without SLO-aware batching (52 % -> 99 % of tokens)",
        why="`dynaserve` has no switch that keeps the split search and drops Alg. 2's step budget "
            "(DynaServeConfig.split=False drops the split instead)"),
