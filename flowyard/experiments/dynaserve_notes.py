@@ -178,7 +178,7 @@ def _rest(res: Results) -> list[str]:
             out.append("- **Length error** moves goodput by "
                        + ", ".join(f"{100 * c:+.1f} % at std {k:g}" for k, c in ch.items())
                        + " (paper: -0.4 to -2.9 %): "
-                       + ("small (all within ±5 %, above the seed noise), as in the paper" if v.startswith("reproduced")
+                       + ("small (all within ±5 %, a band wider than the seed noise), as in the paper" if v.startswith("reproduced")
                           else "larger than the paper's (beyond ±5 %)" if v.startswith("not reproduced") else
                           "not measured (no goodput)" if v.startswith("not measured") else
                           "undecided: the workload draws alone move goodput as much as the band allows")

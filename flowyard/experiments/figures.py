@@ -128,7 +128,7 @@ REGISTRY: tuple[Figure, ...] = (
        why="interference inside a step: the roofline prices a batch by its operators with no cross-class term, "
            "so a rerun would show only queueing, which Figs. 6-7 show"),
     _f("pla-serve", "Fig. 2", "token lengths of LMSys-Chat-1M multi-turn dialogues",
-       why="LMSys-Chat-1M is not available offline (gated dataset); the stand-in's lengths are in the Setup"),
+       why="LMSys-Chat-1M is not bundled (no offline copy here); the stand-in conversations' lengths are in the Setup"),
     _f("pla-serve", "Table 1", "task classes SPSD/SPLD/LPSD/LPLD", why="definitions, no measurement"),
     _f("pla-serve", "Fig. 3", "P90 TTFT of short prefills as long-prefill concurrency grows",
        why="as Fig. 1: the roofline has no cross-class interference term"),
@@ -145,7 +145,8 @@ REGISTRY: tuple[Figure, ...] = (
        why="`pla-mix` runs the decodes inside every PLA step (the core's continuous batching), so it lacks the "
            "missing-continuous-batching mechanism the figure measures"),
     _f("pla-serve", "Fig. 6 (7B, 32B)", "Fig. 6's Qwen2.5-7B and 32B panels",
-       why="the experiment runs Qwen2.5-14B only, to keep a full run within hours on CPUs"),
+       why="not run: the experiment fixes one model (pla_serve.MODEL = Qwen2.5-14B); both models are in the catalog, so "
+           "this is a settings change, not a missing capability"),
     _f("pla-serve", "§4.2", "CUDA graph memory (228-277 MB) and capture time (8-12 s)",
        why="memory and capture time of real CUDA graphs need a GPU; the simulator prices a replay, not a capture"),
     _f("pla-serve", "abstract", "prefill latency, SLO violations (multi-instance) and throughput (Qwen2.5-32B)",
@@ -165,7 +166,7 @@ REGISTRY: tuple[Figure, ...] = (
     _f("arrow", "Table 1", "workloads and SLO settings", _AR, "input: each trace's SLOs in the Setup"),
     _f("arrow", "Fig. 7", "four systems under four traces and rates", _AR, "Results.workloads (end-to-end curves)"),
     _f("arrow", "Fig. 8", "request and instance scheduling strategies", _AR, "Results.workloads (strategy curves)"),
-    _f("arrow", "Fig. 9", "goodput by number of GPUs", _AR, "Results.scale (curves only: the paper states no number to judge)"),
+    _f("arrow", "Fig. 9", "goodput by number of GPUs", _AR, "Results.scale (curves; the paper's claim, 'nearly linear', is qualitative, so no ratio is judged)"),
 )
 
 
