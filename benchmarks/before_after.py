@@ -21,7 +21,7 @@ import sys
 
 EXPERIMENTS = ("flowprefill", "pla-serve", "arrow", "dynaserve")
 GOODPUT = ["--trace", "azure-code", "--instances", "4", "--duration", "300"]
-VOLATILE = {"wall_s", "revision", "out", "command", "cpu_s"}  # differ run to run, not results
+VOLATILE = {"wall_s", "revision", "out", "command", "cpu_s", "provenance"}  # differ run to run, not results
 
 
 def flowyard(src: str, *args: str) -> None:

@@ -286,7 +286,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else [])
                        + ([f"--engine-profile {args.profile_label}"]
-                          if getattr(args, "profile_label", None) else []))
+                          if getattr(args, "profile_label", None) else [])
+                       + (["--allow-dirty"] if args.allow_dirty else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
         runs = [0, None]  # runs logged; (computed, asked) of a parallel sweep
@@ -307,7 +308,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         sweep = sweep_from_args(args, None if bar is None else on_sweep)
         prev = sweeps.use(sweep)
         try:
-            path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log)
+            path = run_experiment(name, args.out, quick=args.quick, seed=args.seed, command=command, log=log,
+                                  allow_dirty=args.allow_dirty)
         finally:
             sweeps.use(prev)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
@@ -347,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
     r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
+    r.add_argument("--allow-dirty", action="store_true",
+                   help="run from a checkout with uncommitted changes (the report's first line then says so)")
     from flowyard.sweep.jobs import add_sweep_flags
 
     add_sweep_flags(r)

@@ -15,7 +15,7 @@ from flowyard.experiments.common import (Scenario, Tally, md_table, ratio, run_p
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    assert main(["reproduce", "flowprefill", "--quick", "--out", str(out), "--quiet"]) == 0
+    assert main(["reproduce", "flowprefill", "--quick", "--out", str(out), "--quiet", "--allow-dirty"]) == 0
     return out
 
 
@@ -42,7 +42,7 @@ def test_report_has_tables_paper_numbers_and_provenance(quick_report):
         assert header in md, header
     for paper in ("4.7×–5.6×", "up to 2.0×", "up to 4.5×", "1.5×–2.3×", "2.1×–3.1×", "< 4.5 ms", "3.5×–4.2×"):
         assert paper in md, paper
-    assert f"`flowyard reproduce flowprefill --out {quick_report} --quick`" in md
+    assert f"`flowyard reproduce flowprefill --out {quick_report} --quick --allow-dirty`" in md
     assert "s of wall time" in md and "Quick mode" in md
     assert "## Where and why ours differ" in md and "TTFT SLO attainment" in md
     # Figs. 3 and 4 from the cost model; the other unreproduced figures each with a reason
@@ -77,7 +77,7 @@ def test_bad_flags_exit_2_with_a_clear_message(capsys, argv, message):
 def test_out_that_is_a_file_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    assert main(["reproduce", "flowprefill", "--quick", "--out", str(f), "--quiet"]) == 1
+    assert main(["reproduce", "flowprefill", "--quick", "--out", str(f), "--quiet", "--allow-dirty"]) == 1
     assert "is not a directory" in capsys.readouterr().err
 
 

@@ -170,3 +170,11 @@ def test_table_rate_is_the_largest_grid_rate_arrow_meets():
     assert table_rate(s, (4, 8, 16)) == 8  # 12 and 10 are bisection points, not grid rates
     assert table_rate(Search(Threshold(0.0), {4: p(0.1)}), (4, 8)) == 4  # none meets: the lowest
     assert all(len(w.grid) >= 2 for w in QUICK.workloads)
+
+
+def test_report_shows_only_registered_figures(quick_report):
+    from test_reproduce_figures import assert_rendered_are_built
+
+    md = (quick_report / "arrow.md").read_text(encoding="utf-8")
+    assert_rendered_are_built("arrow", md)
+    assert "**Fig. 4** (prefill and decode load over time" in md.split("## Figures not reproduced, and why")[1]

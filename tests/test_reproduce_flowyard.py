@@ -19,7 +19,7 @@ def quick(tmp_path_factory):
     from flowyard.experiments import run_experiment
 
     out = tmp_path_factory.mktemp("results")
-    path = run_experiment("flowyard", out, quick=True)
+    path = run_experiment("flowyard", out, quick=True, allow_dirty=True)
     return out, path
 
 

@@ -244,3 +244,20 @@ def test_up_to_claims_show_median_best_and_cells_beating_the_baseline():
     cells = [1.42, 1.3, 1.1, 1.05, 1.02, 1.01, 0.99, 0.95, 0.9, 0.85, 0.8, 0.7]
     v = band_verdict(cells, None, 1.91)
     assert "median 1.00×, best 1.42×, 6 of 12 cells above 1×" in v
+
+
+def test_a_null_effect_is_judged_against_seed_noise():
+    from flowyard.experiments.report import null_effect_verdict, seed_spread
+
+    flat = {0: [100.0, 100.0, 100.0], 50: [98.0, 98.0, 98.0]}
+    assert null_effect_verdict(flat, 0, 0.05).startswith("reproduced (-2.0 %; band ±5 %; seed spread ±0.0 % (1 s.d. "
+                                                         "over 3 seeds))")
+    noisy = {0: [93.0, 100.0, 107.0], 50: [91.0, 98.0, 105.0]}  # the same change under 7 % seed noise
+    assert abs(seed_spread(noisy) - 0.07) < 0.002
+    assert null_effect_verdict(noisy, 0, 0.05).startswith("undecided: seed noise ≥ the band")
+    assert null_effect_verdict({0: [100.0, 100.0], 50: [99.0, 99.0]}, 0, 0.05).startswith("undecided: 2 seed(s)")
+    assert null_effect_verdict({0: [100.0] * 3, 50: [80.0] * 3}, 0, 0.05).startswith("not reproduced: beyond ±5 %")
+    for bad in ({0: [0.0] * 3, 50: [1.0] * 3}, {0: [1.0] * 3, 50: [math.nan] * 3}, {50: [1.0] * 3}):
+        assert null_effect_verdict(bad, 0, 0.05).startswith("not measured")
+    with pytest.raises(ValueError):
+        null_effect_verdict(flat, 0, 5.0)

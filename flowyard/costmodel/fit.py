@@ -213,6 +213,14 @@ def fittable(points: list[Point]) -> list[Point]:
     return [p for p in points if p.kind != "serving"]
 
 
+def fitted_on(calibration: str) -> list[Point]:
+    """The published points a calibration's terms were fitted on, so a report that predicts one
+    of them labels it a fit input rather than a check: 'published' (`python -m
+    flowyard.costmodel.fit --write`) is fitted on every point but the serving replays, 'vidur' on
+    Vidur's operator profiles only, none of which are points here."""
+    return fittable(published_points()) if calibration == "published" else []
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
     import json

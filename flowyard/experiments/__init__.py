@@ -35,14 +35,18 @@ class UnknownExperimentError(ValueError):
 
 
 def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = False, seed: int = 0,
-                   command: str = "", log: Callable[[str], None] | None = None) -> Path:
+                   command: str = "", log: Callable[[str], None] | None = None, allow_dirty: bool = False) -> Path:
     """Run experiment `name`, write its report under `out`; the report's path. `log` gets one
-    line per simulation (None: silent)."""
+    line per simulation (None: silent). A checkout with uncommitted source changes is refused
+    (provenance.DirtyTreeError) unless `allow_dirty`; the report and results.json record the run's
+    provenance (revision, command, seeds, machine, wall time, cost-model settings)."""
     key = name.strip().lower()
     if key not in EXPERIMENTS:
         raise UnknownExperimentError(
             f"unknown experiment {name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
     from flowyard.experiments.common import output_dir, reproduce_command
+
+    from flowyard.experiments import provenance
 
     module = importlib.import_module(EXPERIMENTS[key])
     report = importlib.import_module(EXPERIMENTS[key] + "_report")
@@ -59,11 +63,16 @@ def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = Fa
                 said.add(m)
                 inner(m)
     settings = module.QUICK if quick else module.FULL
+    command = command or reproduce_command(key, quick, seed, out) + (" --allow-dirty" if allow_dirty else "")
+    repeats = getattr(settings, "seeds", 1)  # an experiment that repeats draws uses seeds seed..seed+n-1
+    record = provenance.begin(command, tuple(range(seed, seed + (repeats if isinstance(repeats, int) else 1))),
+                              allow_dirty=allow_dirty)
     start = time.perf_counter()
     results = sweep.run(lambda: module.run_experiments(settings, seed, log))
     if sweep.parallel and hasattr(results, "wall_s"):  # all passes, not just the last one
         results.wall_s = time.perf_counter() - start
-    return report.write_report(results, out, command=command or reproduce_command(key, quick, seed, out))
+    with provenance.recording(record.finish()):
+        return report.write_report(results, out, command=command)
 
 
 __all__ = ["DEFAULT_OUT", "EXPERIMENTS", "UnknownExperimentError", "run_experiment"]

@@ -144,3 +144,11 @@ def differences(res: Results) -> str:
                       if faster else "; in this run goodput per GPU does not grow with the GPU count ("
                       + " / ".join(f"{x:.2f}" for x in per) + " req/s per GPU)."))
     return "\n".join(out)
+
+
+def not_reproduced() -> str:
+    """The "figures not reproduced" section, generated from the figure registry."""
+    from flowyard.experiments.figures import not_built_section
+
+    return not_built_section("arrow")
+

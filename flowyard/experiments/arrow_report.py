@@ -4,13 +4,13 @@ number comes from the `Results` passed in; the typed-in numbers are the paper's 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from flowyard.experiments.arrow import (ARROW, DISAGG, HARDWARE, MODEL, SCALE_POLICIES, TARGET, VLLM, VLLM_DP, Results,
                                         Search, WorkloadResult, to_json)
-from flowyard.experiments.arrow_notes import (MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
+from flowyard.experiments.figures import NOT_BUILT_HEADING
+from flowyard.experiments.arrow_notes import (not_reproduced, MINLOAD, PAPER, PAPER_ABLATION, RR, SLO_AWARE, differences,
                                               goodput_ratio, ratio_text)
 from flowyard.experiments.report import wrong_side
 from flowyard.experiments.common import BAND, Report, curve_panel, figure, fmt_x, log_x, ratio, save, source_revision
@@ -232,10 +232,11 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _fig8(res, rep)
     _fig9(res, rep)
     rep.add("## Where and why ours differ", differences(res))
+    rep.add(NOT_BUILT_HEADING, not_reproduced())
     if t.failures:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
                 "They count as missing the target and are left out of the curves:",
                 "\n".join(f"- {f[:300]}" for f in t.failures[:12]) + ("\n- …" if len(t.failures) > 12 else ""))
-    rep.figure_path("results.json").write_text(json.dumps(to_json(res), indent=1), encoding="utf-8")
+    rep.write_json(to_json(res))
     rep.changes()
     return rep.write()

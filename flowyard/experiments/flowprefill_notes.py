@@ -207,19 +207,15 @@ def differences(res: Results, ratios: dict[str, list[float]], blocking_ratios: l
                  "SLOs): here it has both instances, each prefilling, so twice the prefill capacity of the 1P1D "
                  "systems" + (", which is why it beats the registry DistServe variants on every model" if beats
                               else "") + f"; FlowPrefill's goodput is {fmt_range(ratios['goodput/vLLM-CP2K (colocated)'])} its.")
-    items.append("- **Figures not reproduced, and why.** Figs. 3 and 4 are priced below from the cost model "
-                 "(lone prefills need no simulation). Fig. 13 (real vs predicted TTFT): the simulator's step "
-                 "times are the predictor's own cost model, so prediction is exact by construction and the "
-                 "figure would show a diagonal. Fig. 14 (single-SLO ShareGPT): the goodput searches of Fig. 9 "
-                 "with one SLO for every task would show only S-EDF reducing to EDF = FCFS by arrival; "
-                 "operator-level preemption's overhead, the figure's point, is zero in the simulator (a "
-                 "preemption check costs nothing here), so it cannot be measured. Fig. 16 (PD colocation with "
-                 "TBT SLOs): `flowprefill` schedules prefill instances only; its prefill selector on a "
-                 "colocated core with decodes riding along is not an assembly the registry has, so there is "
-                 "no system to run. Fig. 17 (MoE Qwen3-30B-A3B): the roofline has no expert-routing term and "
-                 "the catalog no MoE model. The scheduling-round counts are event counts of the paper's "
-                 "runtime, not of a simulator.")
     return "\n".join(items)
+
+
+def not_reproduced() -> str:
+    """The "figures not reproduced" section, generated from the figure registry."""
+    from flowyard.experiments.figures import not_built_section
+
+    return not_built_section("flowprefill", notes=[
+        "- The paper's scheduling-round counts are event counts of its runtime, not of a simulator: not compared."])
 
 
 def cost_figures(hardware: str) -> str:

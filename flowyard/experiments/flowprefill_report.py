@@ -6,7 +6,6 @@ the paper's (`PAPER`), always labelled as such.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from flowyard.experiments.common import (Report, Threshold, band_verdict, bar_pa
                                          fmt_ms, fmt_range, fmt_x, log_x, ratio, save, source_revision)
 from flowyard.experiments.flowprefill import (HARDWARE, MODELS, PRIMARY, SENSITIVITY_SYSTEMS, SYSTEMS, TARGET,
                                               Results)
-from flowyard.experiments.flowprefill_notes import PAPER, cost_figures, differences
+from flowyard.experiments.figures import NOT_BUILT_HEADING
+from flowyard.experiments.flowprefill_notes import PAPER, cost_figures, differences, not_reproduced
 
 FP = "FlowPrefill"
 LABELS = {m: label for m, _, label in MODELS}
@@ -237,7 +237,7 @@ def _curves(t: Threshold) -> dict:
             "never_met": t.never_met, "curve": [[x, None if math.isnan(y) else y] for x, y in t.curve]}
 
 
-def _json(res: Results, path: Path) -> None:
+def _json(res: Results, rep: Report) -> None:
     data = {"seed": res.seed, "settings": vars(res.settings), "wall_s": res.wall_s,
             "e2e": [{"model": m.model, "capacity_rps": m.capacity, "slo_rate_rps": m.slo_rate,
                      "goodput": {n: _curves(t) for n, t in m.goodput.items()},
@@ -246,7 +246,7 @@ def _json(res: Results, path: Path) -> None:
                          for n, (g, s) in (res.priority or {}).items()},
             "budget": res.budget, "chunk": {n: _curves(t) for n, t in (res.chunk or {}).items()},
             "blocking_s": res.blocking}
-    path.write_text(json.dumps(data, indent=1, default=float), encoding="utf-8")
+    rep.write_json(data, default=float)
 
 
 def write_report(res: Results, out: Path, *, command: str) -> Path:
@@ -271,7 +271,8 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
                 "These simulations ended with requests stuck (a scheduler deadlock, see above); they count "
                 "as missing the target and are left out of the curves:",
                 "\n".join(f"- {f[:300]}" for f in t.failures[:12]) + ("\n- …" if len(t.failures) > 12 else ""))
-    _json(res, rep.figure_path("results.json"))
+    _json(res, rep)
     rep.add("## Figs. 3 and 4: lone prefills priced by the cost model", cost_figures(HARDWARE))
+    rep.add(NOT_BUILT_HEADING, not_reproduced())
     rep.changes()
     return rep.write()

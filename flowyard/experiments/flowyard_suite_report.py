@@ -5,7 +5,6 @@ length-dependent-SLO rows)."""
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 from dataclasses import asdict
@@ -187,7 +186,7 @@ def write_report(res: Results, out: Path, *, command: str = "") -> Path:
     _figures(res, rep)
     if t and t.failures:
         rep.add("## Runs that did not finish", "\n".join(f"- {f}" for f in t.failures))
-    (rep.fig_dir / "results.json").write_text(json.dumps(to_json(res), indent=1, default=_nan), encoding="utf-8")
+    rep.write_json(to_json(res), default=_nan)
     return rep.write()
 
 

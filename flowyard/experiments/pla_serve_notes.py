@@ -169,33 +169,27 @@ def differences(res: Results, prices: dict[str, float]) -> str:
 
 
 def not_reproduced(prices: dict[str, float]) -> str:
-    """The figures this report does not rerun, each with the reason (and AWD's window bounds)."""
+    """The "figures not reproduced" section, generated from the figure registry, with the step prices
+    behind its reasons, the abstract's numbers and AWD's window bounds."""
+    from flowyard.experiments.figures import not_built_section
     from flowyard.policies.awd import AWDConfig
 
     ms = {k: 1e3 * v for k, v in prices.items()}
     awd = AWDConfig()
     inter = ms["ride"] < ms["short"]
-    return "\n".join([
-        "- **Figs. 1 and 3** (P90 TTFT of long, resp. short, prefills as concurrency of the other class grows, "
-        "Qwen2.5-32B on one H200, against the one-class dashed line): the figures measure interference inside a "
-        "step. The roofline prices a step by its operators' compute or memory time over the whole batch, with no "
-        "cross-class term: a 64-token re-prefill riding with a 2,048-token chunk adds "
-        f"{ms['ride']:.1f} ms against {ms['short']:.1f} ms alone"
-        + (", cheaper than running apart" if inter else "")
-        + ", so a rerun would show only queueing, which Figs. 6-7 already show.",
-        f"- **Fig. 5** (mean latency and throughput against a fixed waiting window, 64 clients of < 256-token "
-        f"prompts): a graph replay is priced by an assumed saving (`RooflineParams.graph_saving`: "
-        f"{ms['short'] - ms['graphed']:.1f} ms of a {ms['short']:.1f} ms short step), so the curve would trace our "
-        "assumption rather than measure CUDA graphs.",
-        "- **Fig. 8** (`pla-mix`: prefill throughput of PLA in PD against PLA mixed with decode, 1 and 2 "
-        "instances): the paper attributes the drop to the missing continuous batching between PLA's prefill "
-        "batches and the decodes; our `pla-mix` runs the decodes inside every PLA step (the core's continuous "
-        "batching), so it does not have the mechanism the figure measures. Not rerun.",
+    ab = PAPER["abstract"]
+    ride = (f"A 64-token re-prefill riding with a 2,048-token chunk adds {ms['ride']:.1f} ms against "
+            f"{ms['short']:.1f} ms alone" + (", cheaper than running apart." if inter else "."))
+    return not_built_section("pla-serve", {
+        "Fig. 1": ride, "Fig. 3": ride,
+        "Fig. 5": f"The assumed saving: {ms['short'] - ms['graphed']:.1f} ms of a {ms['short']:.1f} ms short step.",
+        "abstract": f"The abstract: prefill latency −{ab['prefill_lat']:.0f} %, violations −{ab['viol_dp']:.0f} % vs "
+                    f"DP and −{ab['viol_router']:.0f} % vs the router, throughput +{ab['rps_32b']:.0f} %.",
+    }, notes=[
         f"- **AWD's window bounds.** Alg. 1 clips the window to [W_min, W_max] and gives no values; we run "
         f"W_min = {1e3 * awd.w_min:g} ms and W_max = {1e3 * awd.w_max:g} ms (T_max {1e3 * awd.t_max:g} ms, "
         f"σ {1e3 * awd.sigma:g} ms; `AWDConfig`), the same floor the paper's W_SLA = max(0, ·) has, and Alg. 1 "
-        "l. 13 sets W to the observed fill time within those bounds.",
-    ])
+        "l. 13 sets W to the observed fill time within those bounds."])
 
 
 def issues(res: Results) -> str:

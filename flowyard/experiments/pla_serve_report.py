@@ -7,7 +7,6 @@ cost model the runs used); the only typed-in numbers are the paper's (`PAPER`), 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from flowyard.experiments.common import (BAND, Report, curve_panel, figure, gain
                                          source_revision)
 from flowyard.experiments.pla_serve import (AFFINE_PD, BASELINE, CLUSTERS, DISTILL, FULL_PLA,
                                             HARDWARE, MAX_NEW_TOKENS, MODEL, NO_SPLIT, TTFT_SLO, CLPoint, Results)
+from flowyard.experiments.figures import NOT_BUILT_HEADING
 from flowyard.experiments.pla_serve_notes import PAPER, differences, issues, not_reproduced
 from flowyard.sim.run import SimConfig, build_cost_model
 
@@ -107,10 +107,6 @@ def _headline(res: Results, rep: Report) -> None:
         rows.append([f"Table 2 distillation end-to-end time, {trace}",
                      f"−{PAPER['distill'][trace]:.1f} % ({'LMSys' if trace == 'azure-conv' else 'ShareGPT'})",
                      _pct(-imp) if math.isfinite(imp) else NA, gain_verdict(imp, PAPER["distill"][trace])])
-    ab = PAPER["abstract"]
-    rows.append(["abstract: prefill latency, violations (multi-instance), throughput (Qwen2.5-32B)",
-                 f"−{ab['prefill_lat']:.0f} %, −{ab['viol_dp']:.0f} % vs DP, −{ab['viol_router']:.0f} % vs router, "
-                 f"+{ab['rps_32b']:.0f} %", "tied to no figure; not compared", ""])
     rep.add("## Headline: the paper's numbers beside ours",
             "Each paper number is the one §4.1 states for that figure. Fig. 6 and 7 rows: positive \"ours\" "
             "numbers are in PLA's favour (RPS higher, TTFT lower, fewer violations, in % or percentage points). "
@@ -282,7 +278,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _table2(res, rep)
     prices = _prices()
     rep.add("## Where and why ours differ", differences(res, prices))
-    rep.add("## Figures not reproduced, and why", not_reproduced(prices))
+    rep.add(NOT_BUILT_HEADING, not_reproduced(prices))
     rep.add("## Issues found in the PLA policies", issues(res))
     if t.failures:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
@@ -292,7 +288,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
             **{k: {cl: {lab: [[c, dataclasses.asdict(p)] for c, p in pts] for lab, pts in curves.items()}
                    for cl, curves in getattr(res, k).items()} for k in ("fig6", "fig7")},
             "distill": {tr: {lab: dataclasses.asdict(p) for lab, p in d.items()} for tr, d in res.distill.items()}}
-    rep.figure_path("results.json").write_text(json.dumps(_finite(data), indent=1), encoding="utf-8")
+    rep.write_json(_finite(data))
     rep.changes()
     return rep.write()
 

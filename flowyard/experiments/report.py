@@ -4,10 +4,11 @@ by `flowyard.experiments.common`."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -96,6 +97,46 @@ def gain_verdict(ours: float, paper: float, band: float = BAND, unit: str = "%")
     return f"not reproduced: {'above' if ours > b else 'below'} ({shown})"
 
 
+#: a null or small effect is judged against the spread over at least this many seeds
+MIN_SEEDS = 3
+
+
+def seed_spread(per_seed: Mapping[object, Sequence[float]]) -> float:
+    """The largest relative standard deviation (sample, over seeds) of any setting's values: how far
+    one seed's number moves from another's with nothing changed but the draw. NaN under 2 seeds."""
+    rel = [float(np.std(v, ddof=1) / np.mean(v)) for v in per_seed.values() if len(v) > 1 and np.mean(v) > 0]
+    return max(rel) if rel else math.nan
+
+
+def null_effect_verdict(per_seed: Mapping[object, Sequence[float]], base: object, band: float, *,
+                        min_seeds: int = MIN_SEEDS) -> str:
+    """Verdict on a claim that a setting moves a metric by less than ±`band` (a null or small effect),
+    judged against seed noise: `per_seed` maps each setting to its metric per seed, `base` is the
+    reference setting. The change is the mean over seeds against the base's mean. "reproduced" only
+    when every change is within the band AND the seed spread (`seed_spread`) is below it: a ±5 %
+    band cannot tell an effect from 7 % noise, so that is "undecided", as is a run of fewer than
+    `min_seeds` seeds. A zero, negative or missing value is "not measured"."""
+    if not (0 < band < 1):
+        raise ValueError(f"band must be a fraction in (0, 1), got {band}")
+    vals = {k: [float(x) for x in v] for k, v in per_seed.items()}
+    if base not in vals or len(vals) < 2 or any(not v or not all(math.isfinite(x) and x > 0 for x in v)
+                                                for v in vals.values()):
+        return "not measured (a zero or missing value)"
+    ref = float(np.mean(vals[base]))
+    ch = {k: float(np.mean(v)) / ref - 1 for k, v in vals.items() if k != base}
+    n = min(len(v) for v in vals.values())
+    noise = seed_spread(vals)
+    shown = (", ".join(f"{100 * c:+.1f} %" for c in ch.values()) + f"; band ±{100 * band:g} %"
+             + (f"; seed spread ±{100 * noise:.1f} % (1 s.d. over {n} seeds)" if math.isfinite(noise) else ""))
+    if n < min_seeds:
+        return f"undecided: {n} seed(s), a ±{100 * band:g} % band needs the spread over ≥ {min_seeds} ({shown})"
+    if noise >= band:
+        return f"undecided: seed noise ≥ the band, which cannot tell an effect from it ({shown})"
+    if all(abs(c) <= band for c in ch.values()):
+        return f"reproduced ({shown})"
+    return f"not reproduced: beyond ±{100 * band:g} % ({shown})"
+
+
 def verdict_rows(markdown: str) -> dict[str, str]:
     """claim -> verdict of every table in `markdown` whose last column is "ours vs paper"."""
     out: dict[str, str] = {}
@@ -133,18 +174,11 @@ def conclusion(verdict: str) -> str:
 
 def source_revision() -> str:
     """The flowyard checkout's commit, "+ uncommitted changes" when its sources differ from it;
-    "" outside a git checkout."""
-    import subprocess
+    "" outside a git checkout (`provenance.git_state`)."""
+    from flowyard.experiments.provenance import git_state
 
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-                                "flowyard"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return "" if not rev else rev + (" + uncommitted changes" if dirty else "")
+    g = git_state()
+    return "" if not g.revision else g.short + (" + uncommitted changes" if g.dirty else "")
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -157,6 +191,11 @@ class Report:
     """A markdown document under `out_dir`, with figures in `out_dir/<name>/`."""
 
     def __init__(self, out_dir: Path, name: str) -> None:
+        from flowyard.experiments.provenance import current
+
+        #: the run's record (revision, command, seeds, machine, wall time, cost model): the report's
+        #: first line when the code was not committed, its "Provenance" section, and results.json's
+        self.provenance = current()
         self.out_dir, self.name = Path(out_dir), name
         self.fig_dir = self.out_dir / name
         self.fig_dir.mkdir(parents=True, exist_ok=True)
@@ -196,9 +235,20 @@ class Report:
     def image(self, file: str, alt: str) -> None:
         self.parts.append(f"![{alt}]({self.name}/{file})")
 
+    def write_json(self, data: dict, file: str = "results.json", default=None) -> Path:
+        """`data` as `file` in the figure directory, with the run's provenance under "provenance"."""
+        path = self.figure_path(file)
+        path.write_text(json.dumps({"provenance": self.provenance.as_dict(), **data}, indent=1, default=default),
+                        encoding="utf-8")
+        return path
+
     def write(self) -> Path:
+        """The markdown file, opening with the uncommitted-code warning when there is one and
+        closing with the provenance section."""
         path = self.out_dir / f"{self.name}.md"
-        path.write_text("\n\n".join(self.parts).rstrip() + "\n", encoding="utf-8")
+        first = self.provenance.first_line()
+        parts = ([first] if first else []) + self.parts + ["## Provenance", self.provenance.section()]
+        path.write_text("\n\n".join(parts).rstrip() + "\n", encoding="utf-8")
         return path
 
 
