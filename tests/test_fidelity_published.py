@@ -213,7 +213,7 @@ def test_reproduce_runs_its_experiment_under_the_profile_and_restores_the_defaul
 
     seen = {}
 
-    def fake(name, out, quick, seed, command, log):
+    def fake(name, out, quick, seed, command, log, allow_dirty=False):
         seen.update(profile=get_engine_profile().name, command=command)
         return tmp_path / "r.md"
 

@@ -88,13 +88,19 @@ def test_cost_model_fields_are_read_from_the_config_by_name():
 
     assert cost_model_settings()["calibration"] == SimConfig().calibration
 
+    from flowyard.costmodel.engines import DEFAULT_ENGINE_PROFILE
+
+    assert cost_model_settings()["engine_profile"] == DEFAULT_ENGINE_PROFILE  # None resolved to its name
+
     @dataclasses.dataclass
     class WithProfile:  # a field another change adds to SimConfig is recorded with no change here
         model: str = "m"
         calibration: str = "published"
-        engine_profile: str | None = "profiles/h100.json"
+        engine_profile: str | None = "eager-2023"
+        profile: str | None = "smol-cpu.json"
 
-    assert cost_model_settings(WithProfile()) == {"calibration": "published", "engine_profile": "profiles/h100.json"}
+    assert cost_model_settings(WithProfile()) == {"calibration": "published", "engine_profile": "eager-2023",
+                                                  "profile": "smol-cpu.json"}
 
 
 def test_reproduce_refuses_a_dirty_checkout_before_running(repo, tmp_path, monkeypatch, capsys):

@@ -16,7 +16,7 @@ from flowyard.experiments.dynaserve import BASE, CURVE, MODELS, SHAPES, SYSTEMS,
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, DSPoint
 from flowyard.experiments.figures import NOT_BUILT_HEADING
 from flowyard.experiments.dynaserve_notes import (PAPER_CAPACITY, PAPER_GOODPUT_UP_TO, PAPER_HYBRID,
-                                                  PAPER_KV_REDUCTION, PAPER_LCU, PAPER_LENGTH_ERROR_BAND, PAPER_T1,
+                                                  PAPER_KV_REDUCTION, PAPER_LCU, PAPER_T1,
                                                   PAPER_T4, SETUP, fit_inputs, length_error_verdict, fit_verdict, lcu_decodes, not_reproduced, notes, verdict)
 
 _finite_mean = lambda v: float(np.mean([x for x in v if math.isfinite(x)])) if any(map(math.isfinite, v)) else math.nan  # noqa: E731
