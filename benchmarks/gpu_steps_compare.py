@@ -9,7 +9,8 @@ decodes costs. CUDA-graph replay times are the GPU's alone, so they are compared
 default profile (vllm-v1: CUDA graphs, host work overlapped); the eager times show how much a
 Python-launched step adds.
 
-    python benchmarks/gpu_steps_compare.py            # writes docs/results/gpu_steps_h100.md
+    python benchmarks/gpu_steps_compare.py [--data benchmarks/results/gpu_steps_h200.json]
+    # writes docs/results/gpu_steps_<gpu>.md
 """
 
 from __future__ import annotations
@@ -27,13 +28,23 @@ from flowyard.experiments.report import md_table, source_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "results" / "gpu_steps_h100.json"
-REPORT = ROOT / "docs" / "results" / "gpu_steps_h100.md"
+GPUS = ("H100", "H200", "A100", "H800")  # the device name's family -> the catalog's GPU
+
+
+def gpu_of(meta: dict) -> str:
+    """The catalog GPU a measurement ran on, from the device name CUDA reported."""
+    for g in GPUS:
+        if g in meta["device"]:
+            return g.lower() if g != "A100" else "a100-80g"
+    raise ValueError(f"no catalog GPU for device {meta['device']!r}")
 
 
 def kind(p: dict) -> str:
     np_, nd = len(p["prefills"]), sum(b for b, _ in p["decodes"])
     if np_ and nd:
         return "mixed"
+    if any(h for h, _ in p["prefills"]):
+        return "prefill with history"
     if np_ > 1:
         return "prompts batched"
     return "prefill" if np_ else "decode"
@@ -48,7 +59,7 @@ def label(p: dict) -> str:
     if len({tuple(x) for x in pre}) == 1 and len(pre) > 1:
         ps = f"{len(pre)} x {pre[0][1]}"
     else:
-        ps = " + ".join(str(n) for _, n in pre)
+        ps = " + ".join(f"{n} after {h}" if h else str(n) for h, n in pre)
     ds = " + ".join(f"{b} x ctx {c}" for b, c in p["decodes"])
     return " ; ".join(x for x in (ps and f"prompt {ps}", ds and f"decode {ds}") if x)
 
@@ -75,7 +86,7 @@ def interference(points: list[dict], pred: list[float]) -> list[tuple]:
 
 def errors(data: dict) -> tuple[list[float], list[float]]:
     """(predicted ms, relative error against the graph replay) for every measured step."""
-    pred = price(data["points"], data["meta"]["model"], "h100", DEFAULT_ENGINE_PROFILE)
+    pred = price(data["points"], data["meta"]["model"], gpu_of(data["meta"]), DEFAULT_ENGINE_PROFILE)
     return pred, [q / p["graph_ms"] - 1 for p, q in zip(data["points"], pred)]
 
 
@@ -83,12 +94,13 @@ def report(data: dict) -> str:
     meta, points = data["meta"], data["points"]
     pred, err = errors(data)
     rev = source_revision() or "unknown revision"
-    lines = [f"# Cost model vs whole steps measured on an H100 (report at {rev})", "",
+    gpu = gpu_of(meta)
+    lines = [f"# Cost model vs whole steps measured on an {gpu.upper()} (report at {rev})", "",
              f"Measured by `python benchmarks/gpu_steps_measure.py` at {meta['revision']} on one "
              f"{meta['device']} (PyTorch {meta['torch']}, {meta['dtype']}, median of {meta['reps']} "
              f"runs per step); priced by `python benchmarks/gpu_steps_compare.py` with the "
              f"`{DEFAULT_ENGINE_PROFILE}` profile of the `published` calibration, model "
-             f"{meta['model']}, GPU `h100`, TP 1. None of these steps was used to fit the cost model. "
+             f"{meta['model']}, GPU `{gpu}`, TP 1. None of these steps was used to fit the cost model. "
              "Random bf16 weights; attention is PyTorch's fused SDPA (flash), one call per prompt "
              "and one batched call for the decodes (all at one context length).",
              "", "## Error by kind (CUDA-graph replay)", ""]
@@ -122,11 +134,12 @@ def report(data: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--out", type=Path, default=REPORT)
+    ap.add_argument("--out", type=Path, help="default: docs/results/gpu_steps_<gpu>.md")
     a = ap.parse_args(argv)
-    text = report(json.loads(a.data.read_text()))
-    a.out.write_text(text)
-    print(text)
+    data = json.loads(a.data.read_text())
+    out = a.out or ROOT / "docs" / "results" / f"gpu_steps_{gpu_of(data['meta'])}.md"
+    out.write_text(report(data))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

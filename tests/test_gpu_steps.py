@@ -19,7 +19,7 @@ DATA = json.loads(gsc.DATA.read_text())
 
 def test_the_measurement_covers_every_kind_of_step():
     kinds = {gsc.kind(p) for p in DATA["points"]}
-    assert kinds == {"prefill", "decode", "mixed", "prompts batched"}
+    assert {"prefill", "decode", "mixed", "prompts batched"} <= kinds
     assert all(p["graph_ms"] > 0 and p["eager_ms"] > 0 for p in DATA["points"])
     assert DATA["meta"]["device"].startswith("NVIDIA H100")
 
