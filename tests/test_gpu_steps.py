@@ -14,26 +14,37 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_steps_compare as gsc  # noqa: E402
 
-DATA = json.loads(gsc.DATA.read_text())
+import pytest  # noqa: E402
+
+FILES = sorted((ROOT / "benchmarks" / "results").glob("gpu_steps_*.json"))
 
 
-def test_the_measurement_covers_every_kind_of_step():
+@pytest.fixture(params=FILES, ids=[f.stem for f in FILES])
+def DATA(request):
+    return json.loads(request.param.read_text())
+
+
+def test_both_hopper_gpus_were_measured():
+    assert {f.stem for f in FILES} >= {"gpu_steps_h100", "gpu_steps_h200"}
+
+
+def test_the_measurement_covers_every_kind_of_step(DATA):
     kinds = {gsc.kind(p) for p in DATA["points"]}
     assert {"prefill", "decode", "mixed", "prompts batched"} <= kinds
     assert all(p["graph_ms"] > 0 and p["eager_ms"] > 0 for p in DATA["points"])
-    assert DATA["meta"]["device"].startswith("NVIDIA H100")
+    assert DATA["meta"]["device"].startswith("NVIDIA H")
 
 
-def test_held_out_h100_steps_are_priced_within_bounds():
+def test_held_out_hopper_steps_are_priced_within_bounds(DATA):
     pred, err = gsc.errors(DATA)
     assert all(q > 0 for q in pred)
-    for k in ("prefill", "decode", "mixed"):
+    for k in ("prefill", "decode", "mixed", "prefill with history"):
         e = [abs(x) for p, x in zip(DATA["points"], err) if gsc.kind(p) == k]
-        assert statistics.median(e) < 0.10, k
+        assert e and statistics.median(e) < 0.12, k
         assert max(e) < 0.25, k
 
 
-def test_a_mixed_step_saves_what_the_measurement_saves():
+def test_a_mixed_step_saves_what_the_measurement_saves(DATA):
     pred, _ = gsc.errors(DATA)
     rows = gsc.interference(DATA["points"], pred)
     assert len(rows) >= 5
@@ -45,5 +56,6 @@ def test_a_mixed_step_saves_what_the_measurement_saves():
 def test_the_report_names_its_inputs(tmp_path):
     out = tmp_path / "r.md"
     gsc.main(["--out", str(out)])
+    DATA = json.loads(gsc.DATA.read_text())
     text = out.read_text()
     assert DATA["meta"]["revision"] in text and "| mixed |" in text
