@@ -97,6 +97,26 @@ def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tiny, ray_sessi
     cluster.shutdown()
 
 
+def test_prefix_cache_counters_reach_the_driver(tiny, ray_session):
+    """The actors' prefix caches are counted where /metrics reads them (the driver's `kv`):
+    requests sharing a prefix give queries and hits, as they do in one process."""
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = tiny
+    cluster = RayCluster(d, build_policy("distserve", PolicyOptions(num_instances=2)),
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048))
+    shared = [(5 * j) % 200 + 3 for j in range(64)]  # four full 16-token blocks
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for n in range(3):  # one after another: the later ones find the first one's blocks
+        cluster.add_request(f"p{n}", shared + [n + 3, n + 4], short)
+        while cluster.has_unfinished():
+            cluster.step()
+    kv = cluster.kv
+    assert kv.queries >= 3 * len(shared)
+    assert len(shared) <= kv.hits <= kv.queries and kv.hit_rate == kv.hits / kv.queries
+    cluster.shutdown()
+
+
 def test_migrate_between_actors_at_any_token(tiny, ray_session):
     """Mid-prefill, at prefill end and mid-decode, KV in chunks through the object store."""
     from flowyard.runtime.ray_cluster import RayCluster

@@ -104,7 +104,9 @@ class EngineActor:
     async def snapshot(self, seq: int) -> InstanceSnapshot:
         return await self._run(seq, self._snapshot)
 
-    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any]:
+    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any, Any,
+                                            tuple[int, int]]:
+        """(outputs, results, snapshot, busy, preemption stats, trace, prefix-cache counts)."""
         return await self._run(seq, self._step)
 
     async def hand_off(self, seq: int, req_id: int) -> RequestState | None:
@@ -141,7 +143,11 @@ class EngineActor:
         outputs, self.errors = outputs + self.errors, []
         busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
         trace, self.trace = self.trace, Timeline()
-        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers)
+        # The prefix cache lives in this process: its counters travel with every step so that
+        # the driver's /metrics (vllm:prefix_cache_queries/hits) sees them.
+        prefix = (getattr(e.kv, "queries", 0), getattr(e.kv, "hits", 0))
+        return (outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers),
+                prefix)
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)

@@ -86,6 +86,8 @@ class RayCluster(RayFaults, ClusterBase):
         self._sent_during_step: set[int] = set()  # got work after its in-flight step started
         self._failed: list[RequestOutput] = []  # ended by the driver, reported with the next step
         self._preemption: dict[int, PreemptionStats] = {}  # each instance's, as of its last step
+        self._prefix: dict[int, tuple[int, int]] = {}  # each instance's (queries, hits), as of its last step
+        self._prefix_retired = (0, 0)  # counted by instances that died: counters never go down
         self.migrations = 0
         self.failures = 0
         self.restarts = 0
@@ -208,6 +210,16 @@ class RayCluster(RayFaults, ClusterBase):
     def snapshots(self) -> list[InstanceSnapshot]:
         return self._snaps
 
+    def prefix_counts(self) -> tuple[int, int]:
+        """(queries, hits) of the actors' prefix caches, in prompt tokens, as of their last
+        steps, plus what instances that since died had counted."""
+        q, h = self._prefix_retired
+        return q + sum(c[0] for c in self._prefix.values()), h + sum(c[1] for c in self._prefix.values())
+
+    def prefix_hit_rate(self) -> float:
+        q, h = self.prefix_counts()
+        return h / q if q else 0.0
+
     @property
     def preemption_stats(self) -> PreemptionStats:
         """Operator-level preemptions inside the actors (FlowPrefill), as of their last steps."""
@@ -241,7 +253,7 @@ class RayCluster(RayFaults, ClusterBase):
             i = by_ref[ref]
             del self._inflight[i]
             try:
-                outs, results, snap, still_busy, self._preemption[i], trace = self._ray.get(ref)
+                outs, results, snap, still_busy, self._preemption[i], trace, self._prefix[i] = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
                 if i not in self._down:
                     outputs += self._instance_died(i)
