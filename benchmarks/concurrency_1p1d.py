@@ -248,7 +248,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request bound (s), retries included")
-    ap.add_argument("--max-retries", type=int, default=100)
+    ap.add_argument("--max-retries", type=int, default=1000)
     ap.add_argument("--max-waiting", type=int, default=256, help="the server's queue bound")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per actor (0: the server's default)")
