@@ -13,6 +13,7 @@ from flowyard.engine.async_engine import AsyncLLMEngine
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.server.app import build_app
+from flowyard.server.metrics import LEGACY_VLLM
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "flowyard.json"
 
@@ -80,7 +81,7 @@ VLLM_NAMES = {
     "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
     "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
-    "vllm:request_inference_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket", "vllm:request_max_num_generation_tokens_bucket",
 }
 FLOWYARD_ONLY = ("slo_attained", "slo_violated", "preemption_blocking_seconds", "num_preemptions",
                  "engine_cpu_threads")
@@ -89,8 +90,11 @@ FLOWYARD_ONLY = ("slo_attained", "slo_violated", "preemption_blocking_seconds", 
 def test_vllm_names_are_exported_beside_flowyards(tmp_path):
     have = exported(tmp_path)
     assert not VLLM_NAMES - have, sorted(VLLM_NAMES - have)
-    # every vllm: series has its flowyard: twin, and the other way round except flowyard's own
-    assert {n.replace("vllm:", "flowyard:") for n in have if n.startswith("vllm:")} <= have
+    # every vllm: series has its flowyard: twin (but vLLM V0's names), and the other way round
+    # except flowyard's own
+    legacy = {"vllm:" + n for n in LEGACY_VLLM}
+    assert legacy <= have
+    assert {n.replace("vllm:", "flowyard:") for n in have if n.startswith("vllm:") and n not in legacy} <= have
     own = {n for n in have if n.startswith("flowyard:") and not n.startswith(tuple("flowyard:" + f for f in FLOWYARD_ONLY))}
     assert {n.replace("flowyard:", "vllm:") for n in own} <= have
 
@@ -107,6 +111,28 @@ def test_the_dashboard_reads_a_flowyard_server_under_vllm_names_too(tmp_path):
                 continue
             names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", e.replace("flowyard:", "vllm:")))
             assert names and names <= have, (p["title"], sorted(names - have))
+
+
+# Every series vLLM's own example dashboard queries (vllm-project/vllm,
+# examples/online_serving/prometheus_grafana/grafana.json at commit e88892c9, read for issue
+# 29), less the two of V0's CPU swapping, which neither flowyard nor vLLM V1 has:
+# vllm:num_requests_swapped and vllm:cpu_cache_usage_perc.
+VLLM_DASHBOARD = {
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+}
+
+
+def test_vllms_own_dashboard_finds_every_series_it_queries(tmp_path):
+    have = exported(tmp_path)
+    assert not VLLM_DASHBOARD - have, sorted(VLLM_DASHBOARD - have)
 
 
 def test_phase_histograms_add_up(tmp_path):

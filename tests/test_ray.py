@@ -97,6 +97,49 @@ def test_a_dead_instance_is_replaced_and_the_others_keep_serving(tiny, ray_sessi
     cluster.shutdown()
 
 
+def test_prefix_cache_counters_reach_the_driver(tiny, ray_session):
+    """The actors' prefix caches are counted where /metrics reads them (the driver's `kv`):
+    requests sharing a prefix give queries and hits, as they do in one process."""
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = tiny
+    cluster = RayCluster(d, build_policy("distserve", PolicyOptions(num_instances=2)),
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048))
+    shared = [(5 * j) % 200 + 3 for j in range(64)]  # four full 16-token blocks
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for n in range(3):  # one after another: the later ones find the first one's blocks
+        cluster.add_request(f"p{n}", shared + [n + 3, n + 4], short)
+        while cluster.has_unfinished():
+            cluster.step()
+    kv = cluster.kv
+    assert kv.queries >= 3 * len(shared)
+    assert len(shared) <= kv.hits <= kv.queries and kv.hit_rate == kv.hits / kv.queries
+    cluster.shutdown()
+
+
+def test_requests_sent_during_a_step_stay_counted(tiny, ray_session):
+    """The driver's view of an instance (what policies and the --max-waiting bound read) counts
+    every request it sent there that has not finished, also a burst that reaches the actor
+    while a step runs: the step's snapshot does not hold those, so the driver counts them in.
+    (Found by benchmarks/concurrency_1p1d.py: the bounded queue let a burst through on Ray.)"""
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    d, _ = tiny
+    cluster = RayCluster(d, build_policy("round-robin", PolicyOptions(num_instances=1)),
+                         EngineConfig(dtype="float32", kv_cache_tokens=2048, max_num_seqs=4))
+    cluster.add_request("first", PROMPTS[2], GREEDY)
+    cluster.step(timeout=0)  # its step is in flight now
+    for i in range(12):
+        cluster.add_request(f"burst{i}", PROMPTS[i % 4], GREEDY)
+    unfinished, checked = 13, 0
+    while cluster.has_unfinished():
+        unfinished -= sum(o.finished for o in cluster.step())
+        assert cluster.num_waiting + cluster.num_running == unfinished
+        checked += 1
+    assert unfinished == 0 and checked > 3
+    cluster.shutdown()
+
+
 def test_migrate_between_actors_at_any_token(tiny, ray_session):
     """Mid-prefill, at prefill end and mid-decode, KV in chunks through the object store."""
     from flowyard.runtime.ray_cluster import RayCluster

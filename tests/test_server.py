@@ -1,5 +1,5 @@
 """HTTP server tests against a fake EngineClient: error table, happy paths, streaming,
-metrics, API key, 429, client disconnects, and a live uvicorn + official `openai` client."""
+metrics, API key, overload (503), client disconnects, and a live uvicorn + official `openai` client."""
 
 from __future__ import annotations
 
@@ -216,8 +216,8 @@ BAD += [  # rows that need a particular engine or headers: (..., opts)
     ("api-key-missing", "POST", C, chat_body(), 401, "invalid_api_key", None, {"headers": {}}),
     ("api-key-wrong", "POST", C, chat_body(), 401, "invalid_api_key", None, {"headers": {"Authorization": "Bearer x"}}),
     ("api-key-not-bearer", "GET", "/v1/models", None, 401, "invalid_api_key", None, {"headers": {"Authorization": "k"}}),
-    ("queue-full", "POST", C, chat_body(), 429, "queue_full", None, {"engine": {"max_queue": 0}}),
-    ("queue-full-stream", "POST", P, cmpl_body(stream=True), 429, "queue_full", None, {"engine": {"max_queue": 0}}),
+    ("queue-full", "POST", C, chat_body(), 503, "queue_full", None, {"engine": {"max_queue": 0}}),
+    ("queue-full-stream", "POST", P, cmpl_body(stream=True), 503, "queue_full", None, {"engine": {"max_queue": 0}}),
 ]
 
 
@@ -249,7 +249,7 @@ BAD += [  # issue 17: per-request SLOs and priority; a type slip is a 400, never
 @pytest.mark.parametrize("row", BAD, ids=[r[0] for r in BAD])
 def test_bad_requests(row):
     """Every bad input gets its status and an OpenAI error body; none reaches the engine
-    (except the 429 rows, which the engine refuses) and none is a 500."""
+    (except the queue-full rows, which the engine refuses) and none is a 500."""
     name, method, path, body, status, code, param, *rest = row
     opts = rest[0] if rest else {}
     engine = FakeEngine(**opts.get("engine", {}))
@@ -266,7 +266,7 @@ def test_bad_requests(row):
     if param is not None:
         assert err["param"] == param, err
         assert param.split(".")[0] in err["message"] or err["code"] != "invalid_value"
-    assert engine.calls == [] or status == 429
+    assert engine.calls == [] or code == "queue_full"
     assert not engine.active and engine.aborted == []
 
 
@@ -280,14 +280,19 @@ def test_body_too_large_without_content_length(client):
 
 
 @pytest.mark.parametrize("lazy", [False, True])
-def test_queue_full_is_429(lazy):
-    """429 whether the engine refuses in generate() or on the first step of its generator."""
+def test_queue_full_is_503_with_retry_after(lazy):
+    """Overload is 503 + Retry-After (what load balancers and retrying clients act on), whether
+    the engine refuses in generate() or on the first step of its generator; a stream is
+    refused before its headers, so it gets the same status, not a 200 and an error event."""
     engine = FakeEngine(max_queue=0, lazy_queue_error=lazy)
     client = TestClient(build_app(engine), raise_server_exceptions=False)
     for body in (chat_body(), chat_body(stream=True)):
         r = client.post(C, json=body)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["type"] == "rate_limit_error" and "overloaded" in r.json()["error"]["message"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert err["type"] == "service_unavailable_error" and err["code"] == "queue_full"
+        assert "overloaded" in err["message"]
     assert engine.aborted == [] and len(engine.calls) == 2
 
 
@@ -611,8 +616,15 @@ def test_openai_client_against_uvicorn(live):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     engine.max_queue = 0
     try:
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.InternalServerError) as refused:
             oc.chat.completions.create(model="fake-model", messages=msgs)
+        assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+        # overload is a 503, which the openai package retries by itself (honouring Retry-After)
+        calls = len(engine.calls)
+        with pytest.raises(openai.InternalServerError):
+            openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=1, timeout=10).chat.completions.create(
+                model="fake-model", messages=msgs)
+        assert len(engine.calls) == calls + 2
     finally:
         engine.max_queue = 64
 

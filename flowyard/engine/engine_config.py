@@ -29,7 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # chunked-prefill token budget (default_token_budget)
-    max_waiting: int = 256  # bounded queue; past it the server answers 429
+    max_waiting: int = 256  # bounded queue; past it the server answers 503 + Retry-After
     threads: int | None = None
     # Quantised linears (quant.py): None, "int8" or "int4" (weight-only: few-row GEMMs read
     # int8/int4 weights) or "w8a8" (int8 weights, and int8 activations from 5 rows on).

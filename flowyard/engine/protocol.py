@@ -43,7 +43,7 @@ class EngineStats:
 
 
 class QueueFullError(RuntimeError):
-    """The engine's bounded queue is full: the server answers 429."""
+    """The engine's bounded queue is full: the server answers 503 + Retry-After."""
 
 
 class EngineUnavailableError(RuntimeError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
@@ -40,6 +40,14 @@ def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, 
     return start
 
 
+class StepCounters(NamedTuple):
+    """Counters an actor reports with every step, beside its snapshot."""
+
+    prefix_queries: int  # prompt tokens looked up in this instance's prefix cache, ever
+    prefix_hits: int  # of which found
+    adds_applied: int  # the driver's call number of the last add_request now in the engine
+
+
 class EngineActor:
     def __init__(self, model: str | None, config: EngineConfig, instance: int, policy: Any, t0: float) -> None:
         import torch
@@ -59,6 +67,7 @@ class EngineActor:
         self.trace = Timeline()  # steps and KV imports since the last report
         self._src: dict[int, int] = {}  # migrating request -> the instance its KV comes from
         self._next = 0  # number of the driver's next call
+        self._applied = -1  # call number of the last add_request taken into the engine
         self._turns: asyncio.Condition | None = None
 
     async def _turn(self, seq: int) -> None:
@@ -77,7 +86,7 @@ class EngineActor:
     # -- commands: queued in call order, applied by the worker ---------------------------------
     async def add_request(self, seq: int, rid: str, state: RequestState, params: SamplingParams) -> None:
         await self._turn(seq)
-        self.inbox.append(("add", rid, state, params))
+        self.inbox.append(("add", rid, state, params, seq))
 
     async def abort(self, seq: int, rid: str) -> None:
         await self._turn(seq)
@@ -104,7 +113,9 @@ class EngineActor:
     async def snapshot(self, seq: int) -> InstanceSnapshot:
         return await self._run(seq, self._snapshot)
 
-    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any]:
+    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any, Any,
+                                            StepCounters]:
+        """(outputs, results, snapshot, busy, preemption stats, trace, counters)."""
         return await self._run(seq, self._step)
 
     async def hand_off(self, seq: int, req_id: int) -> RequestState | None:
@@ -141,7 +152,13 @@ class EngineActor:
         outputs, self.errors = outputs + self.errors, []
         busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
         trace, self.trace = self.trace, Timeline()
-        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers)
+        # The prefix cache lives in this process: its counters travel with every step so that
+        # the driver's /metrics (vllm:prefix_cache_queries/hits) sees them. `adds_applied` tells
+        # the driver which of its adds this snapshot already counts (the rest reached the inbox
+        # during the step, or are still on their way), so it counts those in itself.
+        counters = StepCounters(getattr(e.kv, "queries", 0), getattr(e.kv, "hits", 0), self._applied)
+        return (outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers),
+                counters)
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)
@@ -155,7 +172,8 @@ class EngineActor:
             cmd = self.inbox.popleft()
             getattr(self, "_apply_" + cmd[0])(*cmd[1:])
 
-    def _apply_add(self, rid: str, state: RequestState, params: SamplingParams) -> None:
+    def _apply_add(self, rid: str, state: RequestState, params: SamplingParams, seq: int) -> None:
+        self._applied = seq
         try:
             self.engine.add_tracked(self.engine.track(rid, state, params))
         except ValueError as err:

@@ -86,6 +86,8 @@ class RayCluster(RayFaults, ClusterBase):
         self._sent_during_step: set[int] = set()  # got work after its in-flight step started
         self._failed: list[RequestOutput] = []  # ended by the driver, reported with the next step
         self._preemption: dict[int, PreemptionStats] = {}  # each instance's, as of its last step
+        self._prefix: dict[int, tuple[int, int]] = {}  # each instance's (queries, hits), as of its last step
+        self._prefix_retired = (0, 0)  # counted by instances that died: counters never go down
         self.migrations = 0
         self.failures = 0
         self.restarts = 0
@@ -94,11 +96,14 @@ class RayCluster(RayFaults, ClusterBase):
         actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0)
         if not hasattr(self, "_watch"):
             self._watch: dict[int, Any] = {}
+            # instance -> {call number: request} of adds its last snapshot did not count yet
+            self._unapplied: dict[int, dict[int, Any]] = {}
         self._watch[i] = actor.watch.remote()  # returns (with an error) only when the actor dies
         if i < len(self._seq):
             self._seq[i] = itertools.count()
         else:
             self._seq.append(itertools.count())
+        self._unapplied[i] = {}
         return actor
 
     def _call(self, i: int, method: str, *args):
@@ -125,7 +130,9 @@ class RayCluster(RayFaults, ClusterBase):
         if instance in self._down:  # a policy that kept its own view of the instances
             st.reject_reason = f"instance {instance} is down (restarting); retry"
             return False
-        self._call(instance, "add_request", self._rid[st.id], st, self._new[st.id])
+        seq = next(self._seq[instance])
+        self.actors[instance].add_request.remote(seq, self._rid[st.id], st, self._new[st.id])
+        self._unapplied[instance][seq] = st.req
         self._mark_busy(instance)
         self._snaps[instance].count_in(st.req)
         return True
@@ -208,6 +215,16 @@ class RayCluster(RayFaults, ClusterBase):
     def snapshots(self) -> list[InstanceSnapshot]:
         return self._snaps
 
+    def prefix_counts(self) -> tuple[int, int]:
+        """(queries, hits) of the actors' prefix caches, in prompt tokens, as of their last
+        steps, plus what instances that since died had counted."""
+        q, h = self._prefix_retired
+        return q + sum(c[0] for c in self._prefix.values()), h + sum(c[1] for c in self._prefix.values())
+
+    def prefix_hit_rate(self) -> float:
+        q, h = self.prefix_counts()
+        return h / q if q else 0.0
+
     @property
     def preemption_stats(self) -> PreemptionStats:
         """Operator-level preemptions inside the actors (FlowPrefill), as of their last steps."""
@@ -241,12 +258,18 @@ class RayCluster(RayFaults, ClusterBase):
             i = by_ref[ref]
             del self._inflight[i]
             try:
-                outs, results, snap, still_busy, self._preemption[i], trace = self._ray.get(ref)
+                outs, results, snap, still_busy, self._preemption[i], trace, counters = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
                 if i not in self._down:
                     outputs += self._instance_died(i)
                 continue
-            # Work sent while this step ran is not in its report: stay busy for it.
+            # Work sent while this step ran is not in its report: stay busy for it, and count the
+            # adds the actor had not taken in yet (else a burst that arrives during one step
+            # would vanish from the queue the policy and the --max-waiting bound read).
+            self._prefix[i] = counters.prefix_queries, counters.prefix_hits
+            self._unapplied[i] = {s: r for s, r in self._unapplied[i].items() if s > counters.adds_applied}
+            for req in self._unapplied[i].values():
+                snap.count_in(req)
             self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
             self._sent_during_step.discard(i)
             for rid, src, dst, start, end in trace[1]:

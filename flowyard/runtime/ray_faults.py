@@ -25,6 +25,8 @@ class RayFaults:
     RETRY_AFTER_S: float
     _down: dict[int, Any]
     _watch: dict[int, Any]
+    _prefix: dict[int, tuple[int, int]]
+    _prefix_retired: tuple[int, int]
 
     def _instance_died(self, i: int) -> list[RequestOutput]:
         """Re-dispatch what had not started there; fail, with a retryable error, what had (its
@@ -35,6 +37,8 @@ class RayFaults:
         self._down[i] = None
         self._busy[i] = False
         self._event("down", i, "actor died")
+        q, h = self._prefix.pop(i, (0, 0))  # keep what it counted: its replacement starts at 0
+        self._prefix_retired = (self._prefix_retired[0] + q, self._prefix_retired[1] + h)
         outputs = []
         for rid in [r for r, where in self._where.items() if where == i]:
             del self._where[rid]

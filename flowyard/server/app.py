@@ -5,7 +5,7 @@ GET /health, GET /metrics. The app holds no engine logic: it validates, calls
 `engine.generate`, relays outputs, and makes sure the engine hears about clients that leave.
 
 For a streaming request the handler waits for the engine's first output before sending the
-headers: an engine that refuses the request (queue full) can then still get a 429 instead
+headers: an engine that refuses the request (queue full) can then still get a 503 instead
 of a 200 followed by an error event. A client that hangs up during that wait, or during a
 non-streaming request, is noticed by `until_disconnect` and its request aborted.
 """

@@ -27,7 +27,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="chunked-prefill token budget (default: 512 on a CPU, where bigger steps prefill "
                         "hardly faster and delay every prompt in them; 2048 on a GPU, as vLLM)")
-    p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests get 429")
+    p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests get 503 + Retry-After")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention", default="paged", choices=["paged", "grouped", "exact"],
                    help="decode attention: paged (default, fastest: reads KV blocks in place), grouped "

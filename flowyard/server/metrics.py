@@ -18,9 +18,14 @@ Latencies are measured here, at the server, from the moment the HTTP handler sta
 - request_{queue,prefill,decode,inference}_time_seconds: vLLM's request phases, timed by the
   engine on its clock (arrival -> first scheduled -> first token -> last token);
 - request_prompt_tokens / request_generation_tokens: per-request token histograms;
+  request_max_num_generation_tokens: the most tokens one sequence of a request generated
+  (vLLM's, for n > 1; every request here has one sequence, so it equals generation tokens);
 - prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in / found in the prefix
   cache (counters, read from the engine at scrape time).
 Gauges (running/waiting/KV usage) are read from `engine.stats()` at scrape time.
+`vllm:gpu_cache_usage_perc` and `vllm:gpu_prefix_cache_hit_rate` are vLLM V0's names of
+kv_cache_usage_perc and prefix_cache_hit_rate (`LEGACY_VLLM`), still read by vLLM's example
+dashboard and older routers; they have no `flowyard:` twin.
 SLO counters count requests that carry an SLO and finished normally (stop/length); attained
 means every objective carried was met (TTFT, mean TPOT, and every client-visible gap for TBT).
 """
@@ -55,6 +60,8 @@ NORMAL_FINISH = ("stop", "length")
 PHASE_BUCKETS = E2E_BUCKETS
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 PHASES = {"queue": "WAITING", "prefill": "PREFILL", "decode": "DECODE", "inference": "RUNNING"}
+#: vLLM V0 names (deprecated in V1) exported as aliases: legacy name -> the suffix it mirrors.
+LEGACY_VLLM = {"gpu_cache_usage_perc": "kv_cache_usage_perc", "gpu_prefix_cache_hit_rate": "prefix_cache_hit_rate"}
 
 
 class Both:
@@ -98,6 +105,8 @@ class _EngineStatsCollector(Collector):
                                     labels=lab),
                 CounterMetricFamily(p + "prefix_cache_hits", "Prefix-cache hits, in prompt tokens found.", labels=lab),
             ]
+        out += [GaugeMetricFamily(VLLM + old, f"vLLM V0's name of {VLLM}{new}.", labels=lab)
+                for old, new in LEGACY_VLLM.items()]
         return out
 
     def describe(self) -> Iterable[Metric]:
@@ -110,10 +119,12 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is unwell
             log.exception("engine.stats() failed during /metrics scrape")
             return fams
-        values = (s.num_running, s.num_waiting, s.kv_usage, s.prefix_cache_hit_rate, s.prefix_cache_queries,
-                  s.prefix_cache_hits) * len(PREFIXES)
-        for fam, value in zip(fams, values):
-            fam.add_metric([self.model_name], float(value))
+        values = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
+                  "kv_cache_usage_perc": s.kv_usage, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                  "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
+        for fam in fams:
+            suffix = fam.name.split(":", 1)[1]
+            fam.add_metric([self.model_name], float(values[LEGACY_VLLM.get(suffix, suffix)]))
         p = s.preemption
         if p is not None:  # FlowPrefill: signal -> acknowledgement at an operator boundary
             hist = HistogramMetricFamily(
@@ -156,6 +167,9 @@ class ServerMetrics:
         self.req_generation = both(Histogram, "request_generation_tokens",
                                    "Number of generation tokens processed per request.",
                                    lab, r, buckets=TOKEN_BUCKETS).labels(model_name)
+        self.req_max_generation = both(Histogram, "request_max_num_generation_tokens",
+                                       "Most generation tokens of one sequence, per request.",
+                                       lab, r, buckets=TOKEN_BUCKETS).labels(model_name)
         self.prompt_tokens = both(Counter, "prompt_tokens", "Number of prefill tokens processed.",
                                   lab, r).labels(model_name)
         self.generation_tokens = both(Counter, "generation_tokens", "Number of generation tokens processed.",
@@ -225,6 +239,7 @@ class RequestMetrics:
         self.m.e2e.observe(now - self.arrival)
         self.m.req_prompt.observe(self.prompt_len)
         self.m.req_generation.observe(self.tokens)
+        self.m.req_max_generation.observe(self.tokens)  # one sequence per request (n=1)
         for k, v in (self.phases or {}).items():
             if k in self.m.phases:
                 self.m.phases[k].observe(v)

@@ -101,8 +101,11 @@ class Generation:
 
 
 def queue_full(e: Exception) -> APIError:
+    """Overload is the server's state, not the client's fault: 503 + Retry-After, which load
+    balancers and retrying clients act on (the same answer as an instance's death), rather
+    than 429, which OpenAI clients read as the caller's own rate limit."""
     detail = str(e) or "the engine's request queue is full"
-    return APIError(429, f"Server is overloaded: {detail}; retry later", code="queue_full",
+    return APIError(503, f"Server is overloaded: {detail}; retry later", code="queue_full",
                     headers={"Retry-After": "1"})
 
 
