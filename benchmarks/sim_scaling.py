@@ -59,7 +59,7 @@ def point(policy: str, n: int, req: int, timeout: float) -> dict:
         return {"policy": policy, "instances": n, "requests": req, "error": f"over {timeout:.0f} s"}
     if out.returncode != 0:
         return {"policy": policy, "instances": n, "requests": req, "error": out.stderr.strip().splitlines()[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "revision": revision()}
 
 
 def sweep_speedup(workers: list[int], policies: str) -> list[dict]:
@@ -130,6 +130,11 @@ def report(rows: list[dict], sweep: list[dict], args: argparse.Namespace, wall: 
             lines.append(f"| {p}: 1 M req on 1,000 instances <= {TARGET_1M_S.get(p, math.nan):.0f} s | {est:,.0f} s "
                          f"({note}; peak RSS {r['rss_mib'] / r['requests'] * 1e6 / 1024:,.1f} GiB at that rate) | "
                          f"{'yes' if est <= TARGET_1M_S.get(p, math.inf) else 'no'} |")
+    revs = sorted({r["revision"] for r in rows if r.get("revision")})
+    if revs and revs != [revision()]:  # points reused from an earlier run (--resume)
+        lines += ["", "Points measured at: " + "; ".join(
+            f"{rev}: " + ", ".join(f"{r['policy']}:{r['instances']}:{r['requests']}" for r in rows
+                                   if r.get("revision") == rev) for rev in revs) + "."]
     if args.skip:
         lines += ["", f"Not run (`--skip`): {args.skip.replace(',', ', ')}."]
     if sweep:
