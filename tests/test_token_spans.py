@@ -50,3 +50,16 @@ def test_same_as_per_request_and_any_batch(seed: int) -> None:
 def test_bad_batch_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="batch"):
         token_spans([], [], batch=0)
+
+
+def test_compact_keeps_the_times_in_one_array_of_its_own() -> None:
+    from flowyard.core.request import Request, RequestState
+
+    shared = np.arange(10.0)
+    st = RequestState(Request(id=0, arrival=0.0, prompt_len=4, output_len=5))
+    st.record_tokens(shared[:2])
+    st.record_tokens(shared[5:8])
+    before = st.all_token_times().tolist()
+    st.compact()
+    assert len(st.token_times) == 1 and st.token_times[0].base is None
+    assert st.all_token_times().tolist() == before and st.num_output == 5
