@@ -100,6 +100,12 @@ class RankedInstances:
         self._refresh()
         return self._order[0] if self._order else None
 
+    def ordered(self) -> SortedList:
+        """All members' ((score, id)) keys in order, up to date as of now; read-only (members
+        touched later, e.g. by reading their snapshots, are re-keyed at the next query)."""
+        self._refresh()
+        return self._order
+
     def least_growing(self) -> tuple | None:
         """(score, id) of the least member now, for a score that may grow between touches
         but never shrinks (running tokens during a multi-step decode run): the kept keys are

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from flowyard.core.request import RequestState, Status
+from flowyard.core.token_spans import token_spans
 
 EPS = 1e-9
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
@@ -130,9 +131,10 @@ def nan_to_none(x):
 
 def summarize(states: Sequence[RequestState], *, duration: float | None = None,
               policy: str = "", wall_s: float = 0.0) -> Summary:
-    """Summarise a run. Vectorised: one concatenation of every completed request's token
-    chunks, then per-request first/last/max-gap by index arithmetic, so ~80k requests with
-    millions of tokens take a fraction of a second (no per-token Python).
+    """Summarise a run. Vectorised: concatenations of completed requests' token chunks (a
+    batch of requests at a time, `token_spans`), then per-request first/last/max-gap by index
+    arithmetic, so ~80k requests with millions of tokens take a fraction of a second (no
+    per-token Python).
 
     duration defaults to last finish (finish_time, else last token) - first arrival; rates
     are 0 when it is not positive.
@@ -181,31 +183,13 @@ def summarize(states: Sequence[RequestState], *, duration: float | None = None,
         out.duration_s = duration if duration is not None else 0.0
         return out
 
-    # Token span [start, end) of each completed request inside the concatenation. A trailing
-    # NaN sentinel keeps the first/last lookups of token-less requests in range.
-    all_t = np.concatenate(chunks + [np.full(1, np.nan)]).astype(float, copy=False)
-    clen = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
-    cum = np.concatenate(([0], np.cumsum(clen)))
-    nch = np.asarray(nchunks, dtype=np.int64)
-    cend = np.cumsum(nch)
-    start, end = cum[cend - nch], cum[cend]
-    n = end - start
-    has = n > 0
+    # per-request first/last token, count and largest gap, and every gap, a batch of requests
+    # at a time (`token_spans`: the peak holds one copy of the gaps, not three of the tokens)
+    spans = token_spans(chunks, nchunks)
+    del chunks
+    first, last, n, max_gap, gap_values = spans.first, spans.last, spans.n, spans.max_gap, spans.gaps
+    has, multi = n > 0, n >= 2
     arr = np.asarray(arrival)
-    first = np.where(has, all_t[start], np.nan)
-    last = np.where(has, all_t[end - 1], np.nan)
-    all_t = all_t[:-1]
-
-    # Gaps: diff over the whole concatenation; the gaps that straddle two requests become
-    # -inf, so a max over a request's span ignores them, then they are dropped.
-    gaps = np.diff(all_t)
-    del all_t, chunks  # a million requests' tokens: hold the times or the gaps, not both
-    bounds = start[has & (start > 0)] - 1
-    gaps[bounds[bounds < len(gaps)]] = -np.inf
-    multi = n >= 2
-    max_gap = np.full(len(n), np.nan)
-    if multi.any():
-        max_gap[multi] = np.maximum.reduceat(gaps, start[multi])
     tpot_v = np.where(multi, (last - first) / np.maximum(n - 1, 1), np.nan)
     ttft_v = first - arr
 
@@ -223,7 +207,6 @@ def summarize(states: Sequence[RequestState], *, duration: float | None = None,
         duration = float(fin.max()) - first_arrival if len(fin) else 0.0
     out.duration_s = duration
     out.output_tokens = int(n.sum())
-    gap_values = gaps[gaps != -np.inf] if len(bounds) else gaps
     out.ttft = stats(ttft_v[has])
     out.tpot = stats(tpot_v[multi])
     out.e2e = stats((last - arr)[has])

@@ -167,6 +167,15 @@ class RequestState:
         self.token_times.append(times)
         self.num_output += len(times)
 
+    def compact(self) -> None:
+        """Keep the token times in one array of their own (same values). While a request runs,
+        its chunks are views of arrays shared with its batch, each keeping its whole array (the
+        steps of a decode run cut short included) alive; a finished request needs only its own
+        times, and a view object per chunk costs more than the times it holds."""
+        tt = self.token_times
+        if len(tt) > 1 or (tt and tt[0].base is not None):
+            self.token_times = [np.concatenate(tt) if len(tt) > 1 else tt[0].copy()]
+
     def all_token_times(self) -> np.ndarray:
         if not self.token_times:
             return np.empty(0)

@@ -60,6 +60,7 @@ from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.arrow_pools import PREFILL_SIDE
 from flowyard.policies.base import ClusterView
 from flowyard.policies.flowyard_control import RegimeControl
+from flowyard.policies.flowyard_dispatch import indexed_pick
 from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
 from flowyard.policies.flowyard_local import PLACES, SHED_RATES
 from flowyard.policies.slack import deadline
@@ -180,7 +181,11 @@ class FlowyardRouter(RegimeControl):
         """Among the instances where the prompt's predicted TTFT (queue delay plus its own
         prefill) stays within `ttft_share` x 2 of its SLO, the one whose decode step would be
         shortest with it added (TPOT is decided by decode steps once prompts are served in
-        time); if none, the least predicted delay."""
+        time); if none, the least predicted delay. On many instances the answer comes from
+        indexes (`flowyard_dispatch`: the same pick without reading every snapshot)."""
+        pick = indexed_pick(self, req, view, cands, now)
+        if pick is not None:
+            return pick
         snaps = {i: view.snapshot(i) for i in cands}
         ttft = req.slo.ttft if req.slo.ttft is not None else self.cfg.ttft_slo
         delay = self._delays(req, snaps, now)
@@ -218,6 +223,10 @@ class FlowyardRouter(RegimeControl):
         """Predicted decode step of an instance once everything on it (and this prompt) decodes."""
         n = s.num_running + s.num_waiting + s.num_migrating_in + 1
         ctx = s.running_tokens + s.waiting_tokens + s.incoming_tokens + prompt
+        return self._decode_step_nc(n, ctx)
+
+    def _decode_step_nc(self, n: int, ctx: int) -> float:
+        """Predicted decode step of n sequences holding ctx tokens of context."""
         return float(self.predictor.step_time(BatchShape(decode_seqs=n, decode_ctx=float(ctx))))
 
     def _affine(self, req: Request, view: ClusterView, pick: int | None, cands: list[int]) -> int | None:

@@ -306,6 +306,7 @@ class Simulator:
         self.kv_push.computed(inst.id, ends)
         for st in result.finished:
             self.kv_push.finished(st)
+            st.compact()  # its token times only: the batch's shared run arrays can go
             self._ended(st)
         self.core.stepped(inst.id, result, self.now)
         self._start_transfers(inst)
