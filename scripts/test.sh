@@ -13,5 +13,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
 "$BIN/ruff" check --quiet flowyard tests benchmarks   # pyproject.toml [tool.ruff.lint]
+"$BIN/mypy" flowyard   # pyproject.toml [tool.mypy]; prints only the errors
 NO_MKDOCS_2_WARNING=1 "$BIN/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 "$PY" -m pytest "$@"
