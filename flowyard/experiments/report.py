@@ -271,7 +271,7 @@ def save(fig, path: str | os.PathLike) -> None:
         raise OSError(f"cannot write figure to '{os.fspath(path)}': {e.strerror or e}") from e
 
 
-def curve_panel(ax, series: dict[str, Sequence[tuple[float, float]]], *, xlabel: str,
+def curve_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, xlabel: str,
                 ylabel: str = "TTFT SLO attainment (%)", marks: dict[str, float] | None = None,
                 target: float | None = 0.9, title: str = "", percent: bool = True) -> None:
     """Lines of (x, y) per series; `marks` draws a dotted vertical line per series (goodput,
