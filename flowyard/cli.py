@@ -14,7 +14,7 @@ import sys
 # torch is imported, since libgomp reads it once; an explicit GOMP_SPINCOUNT wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from flowyard.cliargs import check_output_path, fraction, positive_float, positive_int
 from flowyard.optional import MissingExtra
@@ -136,8 +136,14 @@ def _human(args: argparse.Namespace):
     return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
 
 
+class _Bar(Protocol):
+    """The progress bar's update: steps done, of how many (None: unknown), a new label."""
+
+    def __call__(self, done: int, total: int | None, label: str | None = None) -> None: ...
+
+
 @contextmanager
-def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int | None], None] | None]:
+def _progress(enabled: bool, label: str) -> Iterator[_Bar | None]:
     if not enabled:
         yield None
         return
@@ -149,7 +155,7 @@ def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int | None],
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int | None, label: str | None = None) -> None:
-            bar.update(task, completed=done, total=total, **({"description": label} if label else {}))
+            bar.update(task, completed=done, total=total, description=label or None)  # None: keep the label
         yield update
 
 
@@ -182,10 +188,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     extra = {"config": _recorded(cfg), "events": result.events, "sim_time_s": result.sim_time}
     blocking = result.preemption_blocking
     if blocking:
-        extra["preemption_blocking_ms"] = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking),
-                                           "max": 1e3 * max(blocking)}
-        print(f"preemptions: {len(blocking):,}  blocking mean {extra['preemption_blocking_ms']['mean']:.2f} ms"
-              f"  max {extra['preemption_blocking_ms']['max']:.2f} ms", file=out)
+        ms = {"count": len(blocking), "mean": 1e3 * sum(blocking) / len(blocking), "max": 1e3 * max(blocking)}
+        extra["preemption_blocking_ms"] = ms
+        print(f"preemptions: {len(blocking):,}  blocking mean {ms['mean']:.2f} ms"
+              f"  max {ms['max']:.2f} ms", file=out)
     if args.json:
         write_json(summary, args.json, extra=extra)
         if args.json != "-":
@@ -290,16 +296,21 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                        + (["--allow-dirty"] if args.allow_dirty else []))
     start = time.perf_counter()
     with _progress(_bar_on(args), f"reproduce {name}") as bar:
-        runs = [0, None]  # runs logged; (computed, asked) of a parallel sweep
+        logged = 0  # runs logged
+        counted: tuple[int, int | None] | None = None  # (computed, asked) of a parallel sweep
 
         def on_bar(m: str) -> None:
-            runs[0] += 1
-            done, total = runs[1] if runs[1] is not None else (runs[0], None)
-            bar(done, total, f"{name}: {m.strip()[:70]}")  # type: ignore[misc]
+            nonlocal logged
+            logged += 1
+            done, total = counted if counted is not None else (logged, None)
+            if bar is not None:
+                bar(done, total, f"{name}: {m.strip()[:70]}")
 
         def on_sweep(done: int, total: int) -> None:  # a parallel sweep counts simulations
-            runs[1] = (done, total)
-            bar(done, total)  # type: ignore[misc]
+            nonlocal counted
+            counted = (done, total)
+            if bar is not None:
+                bar(done, total)
 
         log = None if args.quiet else on_bar if bar is not None else (lambda m: print(m, file=sys.stderr, flush=True))
         from flowyard import sweep as sweeps

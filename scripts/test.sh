@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README): install into the checkout's .venv, then run the whole
-# suite, lint, and build the docs site with its link check (what CI runs). Extra arguments go to pytest.
+# suite, lint, type-check, and build the docs site with its link check (what CI runs). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/install.sh | tail -n 1)
@@ -13,5 +13,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
 "$BIN/ruff" check --quiet flowyard tests benchmarks   # pyproject.toml [tool.ruff.lint]
+"$BIN/mypy" --no-error-summary flowyard   # pyproject.toml [tool.mypy]; silent when clean, fails on an error
 NO_MKDOCS_2_WARNING=1 "$BIN/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 "$PY" -m pytest "$@"

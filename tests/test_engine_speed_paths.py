@@ -115,7 +115,7 @@ def test_rope_and_rmsnorm_match_transformers_formulas_bitwise():
     emb = torch.cat([torch.outer(pos.float(), cfg.rope_inv_freq().float())] * 2, -1)
     hf_cos, hf_sin = emb.cos().unsqueeze(1).bfloat16(), emb.sin().unsqueeze(1).bfloat16()
     rotate_half = torch.cat((-x[..., 32:], x[..., :32]), -1)
-    assert torch.equal(model.rope.apply(x, cos, sin), x * hf_cos + rotate_half * hf_sin)
+    assert torch.equal(model.rope.rotate(x, cos, sin), x * hf_cos + rotate_half * hf_sin)
 
     h = (torch.randn(300, 128, generator=g) * 3).bfloat16()
     w = torch.randn(128, generator=g).bfloat16()
@@ -125,6 +125,21 @@ def test_rope_and_rmsnorm_match_transformers_formulas_bitwise():
 
 
 @torch.inference_mode()
+def test_module_apply_reaches_every_submodule():
+    # RotaryEmbedding's static `apply` (now `rotate`) shadowed nn.Module.apply, so
+    # model.apply(fn), which calls apply(fn) on each child, raised a TypeError
+    from flowyard.engine.config import ModelConfig
+    from flowyard.engine.model import CausalLM, RotaryEmbedding
+
+    cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                      intermediate_size=256, vocab_size=32, rms_norm_eps=1e-5)
+    model = CausalLM(cfg, max_positions=64)
+    seen: list[str] = []
+    model.apply(lambda m: seen.append(type(m).__name__))
+    assert seen.count("DecoderLayer") == 2 and RotaryEmbedding.__name__ in seen
+    assert [type(m).__name__ for m in model.decoder_layers()] == ["DecoderLayer"] * 2
+
+
 def test_per_row_down_proj_is_the_one_row_gemm():
     from flowyard.engine.model import CausalLM
 

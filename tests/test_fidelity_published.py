@@ -65,6 +65,12 @@ def test_a_bad_point_is_a_clear_error():
         point_from_dict({"name": "y", "kind": "nope"})
     with pytest.raises(ValueError, match="metric"):
         point_from_dict({"name": "z", "kind": "serving", "metric": "p42"})
+    # a batch entry that is not a (history, tokens) / (count, context) pair used to pass through
+    # as a longer tuple and fail (or mislead) later, where the shape is built
+    with pytest.raises(ValueError, match="prefills: each entry needs two numbers"):
+        point_from_dict({"name": "w", "kind": "step", "measured": 1.0, "prefills": [[0, 128, 5]]})
+    with pytest.raises(ValueError, match="decodes: each entry needs two numbers"):
+        point_from_dict({"name": "v", "kind": "step", "measured": 1.0, "decodes": [[8]]})
 
 
 def test_predictions_are_computed_not_constant():

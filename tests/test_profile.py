@@ -71,6 +71,13 @@ def test_simulate_with_profile_and_bad_profiles(profile, tmp_path, capsys):
         ProfiledCostModel({"num_layers": 2})
 
 
+def test_a_profile_file_that_is_not_a_json_object_is_a_clear_error(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2, 3]")
+    with pytest.raises(ProfileError, match="not a JSON object"):
+        ProfiledCostModel(path)
+
+
 def test_grid_points_cover_prefill_decode_and_mixed():
     grid = default_grid()
     assert any(p.prefill and not p.decode for p in grid)

@@ -90,6 +90,12 @@ def test_threshold_search_max_finds_the_crossing_and_keeps_the_curve():
     assert [x for x, _ in t.curve][:2] == [1, 2] and (8, 0.5) in t.curve
 
 
+def test_threshold_search_on_an_empty_grid_is_a_clear_error():
+    # it used to get as far as doubling None (a TypeError from deep inside the search)
+    with pytest.raises(ValueError, match="at least one point"):
+        threshold_search(lambda x: 1.0, [], 0.9)
+
+
 def test_threshold_search_min_and_the_edges():
     f = lambda k: 1.0 if k >= 0.7 else 0.0  # noqa: E731
     t = threshold_search(f, [0.5, 1, 2], 0.9, find="min", tol=0.01)

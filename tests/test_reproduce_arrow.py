@@ -178,3 +178,20 @@ def test_report_shows_only_registered_figures(quick_report):
     md = (quick_report / "arrow.md").read_text(encoding="utf-8")
     assert_rendered_are_built("arrow", md)
     assert "**Fig. 4** (prefill and decode load over time" in md.split("## Figures not reproduced, and why")[1]
+
+
+def test_a_point_counts_an_objective_the_requests_do_not_carry_as_met():
+    # requests with a TPOT SLO only: the TTFT share used to compare with None (a TypeError)
+    from dataclasses import replace
+
+    from flowyard.core.request import SLO
+    from flowyard.experiments.arrow import run_apoint
+    from flowyard.sim.run import SimConfig, build_cost_model, load_workload
+
+    cfg = SimConfig(num_requests=20)
+    w = load_workload(cfg)
+    w = w.derive([replace(r, slo=SLO(tpot=1e-9)) for r in w.requests])  # no request can meet it
+    assert all(r.slo.ttft is None and r.slo.tpot is not None for r in w.requests)
+    p = run_apoint(cfg, w, build_cost_model(cfg))
+    assert p.error == ""
+    assert p.ttft_ok == 1.0 and p.tpot_ok < 1.0

@@ -47,16 +47,17 @@ def parse_goodput(spec: str | Sequence[str] | Mapping[str, float] | None) -> dic
     Same syntax and names as vLLM's --goodput; ValueError names the bad item."""
     if spec is None:
         return {}
+    items: list[tuple[str, float | str]]
     if isinstance(spec, Mapping):
         items = [(str(k), v) for k, v in spec.items()]
     else:
         parts = spec.replace(",", " ").split() if isinstance(spec, str) else list(spec)
         items = []
         for p in parts:
-            name, sep, val = str(p).partition(":")
+            name, sep, text = str(p).partition(":")
             if not sep:
                 raise ValueError(f"bad goodput SLO {p!r}: expected NAME:MS, e.g. ttft:500")
-            items.append((name, val))
+            items.append((name, text))
     out: dict[str, float] = {}
     for name, val in items:
         key = name.strip().lower()

@@ -40,7 +40,7 @@ def vllm_result(summary: Summary, states: Sequence[RequestState], outputs: Seque
     s, dur = summary, duration
     ok = [st.status is Status.FINISHED for st in states]
     fin = [st for st, k in zip(states, ok) if k]
-    values = {"tpot": [tpot(st) for st in fin], "itl": np.concatenate([tbt(st) for st in fin]) if fin else []}
+    values: dict[str, list[float | None] | np.ndarray] = {"tpot": [tpot(st) for st in fin], "itl": np.concatenate([tbt(st) for st in fin]) if fin else []}
     stats = {"ttft": s.ttft, "tpot": s.tpot, "itl": s.itl, "e2el": s.e2e}
     out: dict = {"duration": dur, "completed": s.completed, "failed": sum(1 for o in outputs if o.error),
                  "total_input_tokens": s.input_tokens, "total_output_tokens": s.output_tokens,
@@ -71,11 +71,11 @@ def vllm_result(summary: Summary, states: Sequence[RequestState], outputs: Seque
     out["rtfx"] = 0.0  # vLLM's audio real-time factor; no audio here
     if max_concurrency is not None:  # vLLM reports the wait for a free slot under a cap
         q = [t for t, k in zip(queued, ok) if k]
-        extra = {"client_queue_time": q}
+        extra: dict[str, list[float]] = {"client_queue_time": q}
         if request_rate != "inf":
-            extra["e2el_including_client_queue"] = [t + e2e(st) for t, st in zip(q, fin)]
-        for m, v in extra.items():
-            out.update(_stats_ms(m, np.asarray(v, dtype=float)))
+            extra["e2el_including_client_queue"] = [t + _finished_e2e(st) for t, st in zip(q, fin)]
+        for m, xs in extra.items():
+            out.update(_stats_ms(m, np.asarray(xs, dtype=float)))
     return clean_nan(out)
 
 
@@ -123,3 +123,10 @@ def clean_nan(x: Any) -> Any:
 
 __all__ = ["METRIC_KEYS", "PER_REQUEST_KEYS", "clean_nan", "peak_concurrency", "peak_tokens_per_s",
            "vllm_result"]
+
+
+def _finished_e2e(st: RequestState) -> float:
+    """e2e of a finished request: it emitted at least one token, so the latency exists."""
+    v = e2e(st)
+    assert v is not None, f"finished request {st.req.id} has no token times"
+    return v

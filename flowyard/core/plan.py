@@ -42,7 +42,7 @@ class BatchShape:
       decode_ctx      KV tokens decode attention reads, sum of context lengths incl. the new token
     """
 
-    prefill_tokens: float = 0
+    prefill_tokens: float | np.ndarray = 0
     prefill_seqs: int = 0
     prefill_attn: float = 0.0
     prefill_kv: float = 0
@@ -51,7 +51,7 @@ class BatchShape:
     graphed: bool = False  # replayed as a captured graph: per-kernel launch costs mostly vanish
 
     @property
-    def tokens(self) -> float:
+    def tokens(self) -> float | np.ndarray:
         return self.prefill_tokens + self.decode_seqs
 
     @classmethod

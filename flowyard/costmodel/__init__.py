@@ -35,7 +35,8 @@ __all__ = [
 
 def make_cost_model(model: str | Path | ModelSpec, hardware: str | HardwareSpec, tp: int = 1,
                     calibration: str = DEFAULT_CALIBRATION, engine_profile: str | None = None,
-                    **kwargs: float) -> RooflineCostModel:
+                    *, gpu_mem_util: float = 0.9, activation_reserve_bytes: float | None = None,
+                    dtype_bytes: int | None = None, **overrides: float) -> RooflineCostModel:
     """The roofline cost model for a model (catalog name, config.json path or spec) on a TP
     group of `tp` GPUs of `hardware`; `calibration` names the factor set (CALIBRATIONS:
     'published', the default, refitted on published GPU measurements, or 'vidur');
@@ -45,4 +46,5 @@ def make_cost_model(model: str | Path | ModelSpec, hardware: str | HardwareSpec,
     activation_reserve_bytes / dtype_bytes."""
     return RooflineCostModel(get_model(model), calibrated(get_hardware(hardware), calibration,
                                                                engine=engine_profile),
-                             tp, **kwargs)
+                             tp, gpu_mem_util=gpu_mem_util, activation_reserve_bytes=activation_reserve_bytes,
+                             dtype_bytes=dtype_bytes, **overrides)

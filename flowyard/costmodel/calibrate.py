@@ -82,7 +82,7 @@ def load_mlp_profiles(family: str, directory: Path | None = None, max_tokens: in
             meas = {c: np.array([float(r[f"time_stats.{c}.median"]) for _, r in sel]) * 1e-3
                     for c in cols}
             for op, parts in OP_COLUMNS.items():
-                meas[op] = sum(meas[c] for c in parts)
+                meas[op] = sum((meas[c] for c in parts), np.zeros_like(tokens))
             yield path.name.split("_mlp")[0], spec, tp, tokens, meas
 
 

@@ -44,10 +44,10 @@ def _fmt(v: float, unit: str) -> str:
 
 
 def _measured(row: Row) -> str:
-    p = row.point
-    if not p.is_range:
+    p, hi = row.point, row.point.hi
+    if hi is None:  # a single value, not a range
         return _fmt(p.measured, p.unit)
-    return f"<= {_fmt(p.hi, p.unit)}" if p.measured == 0 else f"{p.measured:.0f}-{_fmt(p.hi, p.unit)}"
+    return f"<= {_fmt(hi, p.unit)}" if p.measured == 0 else f"{p.measured:.0f}-{_fmt(hi, p.unit)}"
 
 
 def breakdown(rows: list[Row], key) -> dict[str, dict]:

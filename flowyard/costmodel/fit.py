@@ -99,11 +99,11 @@ class Row:
     @property
     def error(self) -> float:
         """Signed relative error; for a range, the distance outside it (0 inside)."""
-        p = self.point
-        if p.is_range:
-            if p.measured <= self.predicted <= p.hi:
+        p, hi = self.point, self.point.hi
+        if hi is not None:  # a range
+            if p.measured <= self.predicted <= hi:
                 return 0.0
-            edge = p.measured if self.predicted < p.measured else p.hi
+            edge = p.measured if self.predicted < p.measured else hi
             return (self.predicted - edge) / edge
         return (self.predicted - p.measured) / p.measured
 
@@ -127,7 +127,7 @@ def ridge_tokens(cm: RooflineCostModel, limit: int = 8192) -> float:
 
 def _compute_bound(cm: RooflineCostModel, tokens: int) -> bool:
     comp, mem = cm.compute_memory_split(BatchShape.of([(0, tokens)], []))
-    return comp >= mem
+    return bool(comp >= mem)  # scalar shape: numpy floats compare to numpy bools
 
 
 def generation_ms(cm: RooflineCostModel, batch: int, input_len: int, output_len: int) -> float:

@@ -64,11 +64,14 @@ class ProfiledCostModel(CostModel):
         if not isinstance(profile, dict):
             path = Path(profile)
             try:
-                profile = json.loads(path.read_text())
+                loaded = json.loads(path.read_text())
             except FileNotFoundError:
                 raise ProfileError(f"profile {str(path)!r} does not exist (make one with `flowyard profile`)") from None
             except (OSError, ValueError) as e:
                 raise ProfileError(f"profile {str(path)!r} is not a readable JSON profile: {e}") from None
+            if not isinstance(loaded, dict):
+                raise ProfileError(f"profile {str(path)!r} is not a JSON object")
+            profile = loaded
         try:
             self.num_layers = int(profile["num_layers"])
             self._kv_bytes = int(profile["kv_bytes_per_token"])

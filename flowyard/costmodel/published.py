@@ -98,6 +98,16 @@ def _model(name: str) -> str | ModelSpec:
     return EXTRA_MODELS.get(name, name)
 
 
+def _pairs(field: str, rows: Any) -> tuple[tuple[int, int], ...]:
+    """`rows` as (int, int) pairs; an entry of another length is a bad field, not a silent tuple."""
+    out = []
+    for x in rows:
+        if len(x) != 2:
+            raise ValueError(f"{field}: each entry needs two numbers, got {x!r}")
+        out.append((int(x[0]), int(x[1])))
+    return tuple(out)
+
+
 def point_from_dict(d: dict[str, Any]) -> Point:
     """A `Point` from one JSON entry, its derivations computed. Bad entries raise ValueError."""
     try:
@@ -107,8 +117,8 @@ def point_from_dict(d: dict[str, Any]) -> Point:
         if kind == "serving" and d.get("metric") not in METRICS:
             raise ValueError(f"serving point needs a metric in {METRICS}")
         measured = float(sum(d["parts"])) if "parts" in d else float(d["measured"])
-        prefills = tuple(tuple(int(v) for v in x) for x in d.get("prefills", ()))
-        decodes = tuple(tuple(int(v) for v in x) for x in d.get("decodes", ()))
+        prefills = _pairs("prefills", d.get("prefills", ()))
+        decodes = _pairs("decodes", d.get("decodes", ()))
         note = d.get("note", "")
         if "little" in d:
             li = d["little"]

@@ -136,7 +136,7 @@ def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, wo
     else:
         fits = [fit_points(t, iters, restarts) for t in sets]
     by_job = dict(zip(jobs, fits))
-    folds = {f: by_job.get(f, by_job.get("*all*")) for f in fams}
+    folds = {f: by_job[f] if f in by_job else by_job["*all*"] for f in fams}  # "*all*" runs when any f is not a job
     unchecked = [p for p in points if not checkable(p, folds[p.family])]
     rows = [Row(p, predict(p, folds[p.family].hardware(p.hardware, p.engine, p.kernel)))
             for p in points]  # serving replays: cached per fold's factors

@@ -145,8 +145,10 @@ class RooflineCostModel(CostModel):
         count is an array, and sums accumulate in place."""
         pt, ps = shape.prefill_tokens, shape.prefill_seqs
         ds, dc = shape.decode_seqs, shape.decode_ctx
-        pa, pk = shape.prefill_attn, shape.prefill_kv
+        pa: Seconds = shape.prefill_attn
+        pk = shape.prefill_kv
         T = pt + ds
+        layer: Seconds
         if type(T) is np.ndarray:
             x = self._a4 * T
             y = self._b4 * T
@@ -156,6 +158,7 @@ class RooflineCostModel(CostModel):
             layer += x[2]
             layer += x[3]
         else:
+            assert not isinstance(T, np.ndarray)  # for the type checker: array fields make T an array
             if T == 0 and _max_for(shape) is max:
                 return 0.0  # nothing to run (layer_op_times still prices the weight stream)
             a, w, bb = self._a, self._w, self._b
@@ -172,7 +175,7 @@ class RooflineCostModel(CostModel):
         if self._afix:
             layer += self._afix * ((pt > 0) + (ds > 0))
         rows = ps + ds
-        out = self.num_layers * layer
+        out: Seconds = self.num_layers * layer
         if shape.graphed:  # x - 0.0 == x: without a graph nothing is subtracted
             out = out - (self._graph_c + self._graph_seq * rows)
         out += self._emb_row * T

@@ -67,7 +67,7 @@ class AsyncLLMEngine:
             self._pending += 1
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        fields = {k: v for k, v in (("session", session), ("task", task)) if v is not None}
+        fields: dict[str, str | int] = {k: v for k, v in (("session", session), ("task", task)) if v is not None}
         if priority:
             fields["priority"] = priority
         self._commands.put(("add", request_id, prompt_ids, params, slo, time.monotonic(), fields))
@@ -107,7 +107,7 @@ class AsyncLLMEngine:
             kv_usage=e.kv.usage, prefix_cache_hit_rate=getattr(e.kv, "hit_rate", 0.0),
             prefix_cache_queries=getattr(e.kv, "queries", 0), prefix_cache_hits=getattr(e.kv, "hits", 0),
             healthy=running and getattr(e, "accepting", True),
-            detail=self._error or getattr(e, "health_detail", ""), instances=instances,
+            detail=self._error if self._error else str(getattr(e, "health_detail", "")), instances=instances,
             preemption=getattr(e, "preemption_stats", None),
             cpu_threads=getattr(e, "cpu_threads", None),
         )

@@ -121,7 +121,9 @@ class AttentionBatch:
     def gather_plan(self, cache: torch.Tensor, dtype: torch.dtype) -> DecodeGather:
         """The step's DecodeGather for a layer cache shaped like `cache` (built once)."""
         if self.decode_gather is None:
-            self.decode_gather = plan_decode(self.decode_block_tables, self.decode_ctx_lens, cache.shape[1],
+            tables, lens = self.decode_block_tables, self.decode_ctx_lens
+            assert tables is not None and lens is not None, "a decode plan for a batch without decodes"
+            self.decode_gather = plan_decode(tables, lens, cache.shape[1],
                                              dtype, exact=not (self.grouped_decode or self.paged_decode))
         return self.decode_gather
 
@@ -156,8 +158,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
     b, h, hd = q.shape
     if batch.paged_decode and paged_decode.supports(q, cache):
         kvh = cache.shape[-2]
-        o = paged_decode(q.view(b, kvh, h // kvh, hd), cache[0], cache[1], batch.decode_block_tables,
-                         batch.decode_ctx_lens)
+        tables, lens = batch.decode_block_tables, batch.decode_ctx_lens
+        assert tables is not None and lens is not None, "decode attention for a batch without decodes"
+        o = paged_decode(q.view(b, kvh, h // kvh, hd), cache[0], cache[1], tables, lens)
         return o.view(b, h, hd)
     plan = batch.gather_plan(cache, q.dtype)  # the gather path (also paged's fallback)
     kv = gather_decode_kv(cache, plan).to(q.dtype)
@@ -221,6 +224,7 @@ def paged_attention(
             qs, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
             attn_mask=mask, is_causal=causal, enable_gqa=True,
         )
+        assert out is not None  # made above: there are prefills
         out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     if batch.decode_block_tables is not None:
         start = batch.num_prefill_tokens
@@ -228,4 +232,5 @@ def paged_attention(
         if out is None:
             return o
         out[start:] = o
+    assert out is not None, "an attention batch with neither prefills nor decodes"
     return out

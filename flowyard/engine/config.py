@@ -124,8 +124,8 @@ class ModelConfig:
         """
         dim = self.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        s = self.rope_scaling
-        kind = (s or {}).get("rope_type", "default")
+        s = self.rope_scaling or {}
+        kind = s.get("rope_type", "default")
         if kind == "linear":
             inv = inv / float(s["factor"])
         elif kind == "llama3":

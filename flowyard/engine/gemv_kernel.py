@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Callable
 
 import torch
 
@@ -38,8 +39,9 @@ class GemvKernel:
     """The compiled kernel, loaded on first use; `available()` is False where it cannot run."""
 
     def __init__(self) -> None:
-        self._fn = None
-        self._w8 = None
+        # ctypes function pointers; their arguments are ints (pointers, sizes) or None (NULL)
+        self._fn: Callable[..., int] | None = None
+        self._w8: Callable[..., int] | None = None
         self._tried = False
         self.impl = -1  # 1: AVX512_BF16, 0: portable C, -1: not loaded
 
@@ -85,6 +87,7 @@ class GemvKernel:
             if not self.available():
                 raise RuntimeError("the gemv_bf16 kernel is not available")
             fn = self._fn
+            assert fn is not None  # available() loaded it
         m, k = x.shape
         if m > 1:
             ldx = x.stride(0)
@@ -114,7 +117,9 @@ class GemvKernel:
         n = q.shape[0]
         xf = torch.empty(m * k, dtype=torch.float32)  # x widened once (per call: engines may share us)
         y = torch.empty((m, n), dtype=_BF16)
-        if self._w8(x.data_ptr(), k, q.data_ptr(), scale.data_ptr(), None, y.data_ptr(), m, n, k,
+        w8 = self._w8
+        assert w8 is not None  # available() loaded it
+        if w8(x.data_ptr(), k, q.data_ptr(), scale.data_ptr(), None, y.data_ptr(), m, n, k,
                     xf.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"gemv_w8 rejected x {tuple(x.shape)}, weight {tuple(q.shape)}")
         return y

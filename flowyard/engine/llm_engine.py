@@ -303,9 +303,9 @@ class LLMEngine:
         want = [i for i, t in enumerate(tracked) if t.params.logprobs is not None]
         raw = logits[want].clone() if want else None  # sample() bans tokens in place
         tokens = sample(logits, [t.params for t in tracked], [t.generator for t in tracked], banned)
-        if want:
-            lps = top_logprobs(raw, list(range(len(want))), [tracked[i].params.logprobs for i in want],
-                               [tokens[i] for i in want])
+        if raw is not None:  # some request wants log-probabilities
+            ks = [k for i in want if (k := tracked[i].params.logprobs) is not None]  # all of them
+            lps = top_logprobs(raw, list(range(len(want))), ks, [tokens[i] for i in want])
             for i, lp in zip(want, lps):
                 tracked[i].logprobs.append(lp)
         stopped = set()

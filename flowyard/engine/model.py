@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Generator
+from typing import Generator, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,9 @@ class RotaryEmbedding(nn.Module):
     one elementwise kernel fewer per layer than `cat((-x2, x1)) * sin`.
     """
 
+    cos: torch.Tensor  # buffers (register_buffer), typed for the checker
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
@@ -139,7 +142,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (tokens, heads, head_dim); sin as returned by `tables` (first half negated)."""
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
@@ -177,6 +180,12 @@ class CausalLM(nn.Module):
         self.linear.clear()
         return super()._apply(fn, recurse)
 
+    def decoder_layers(self) -> Iterator[DecoderLayer]:
+        """`layers` with their type (an nn.ModuleList yields plain Modules)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            yield layer
+
     # -- weights -----------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -185,7 +194,7 @@ class CausalLM(nn.Module):
         self.linear.clear()
         take = weights.pop
         self.embed.weight.copy_(take("model.embed_tokens.weight"))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
@@ -246,10 +255,10 @@ class CausalLM(nn.Module):
         per_row = (not attn.grouped_decode and not attn.paged_decode and not attn.num_prefill_tokens and residual.dtype == torch.bfloat16
                    and 1 < residual.shape[0] <= PER_ROW_DOWN_MAX)
         cos, sin = self.rope.tables(positions, residual.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             qkv = linear(self._rms(residual, layer.input_norm), layer.qkv.weight, layer.qkv.bias)
             # RoPE on q and k in one go: they are adjacent heads of the fused projection.
-            qk = self.rope.apply(qkv[:, : layer.q_size + layer.kv_size].view(-1, nh + nkv, hd), cos, sin)
+            qk = self.rope.rotate(qkv[:, : layer.q_size + layer.kv_size].view(-1, nh + nkv, hd), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, layer.q_size + layer.kv_size:].view(-1, nkv, hd)
             yield i, "qkv_proj"

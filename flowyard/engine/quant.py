@@ -219,7 +219,7 @@ def _layer_weights(model: CausalLM) -> list[torch.Tensor]:
     tokens left bfloat16's after 8 tokens on average instead of 22 (8 chat prompts x 64
     tokens; the file stores it as Q8_0, which 4-bit groups do not reproduce); int8 gained
     0.2 ms a token, not worth a second copy of 28 M weights."""
-    return [w for layer in model.layers
+    return [w for layer in model.decoder_layers()
             for w in (layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight)]
 
 
@@ -240,7 +240,7 @@ def quantize_model(model: CausalLM, mode: str | None, max_rows: int | None = Non
                          f"load it again to run it with quantization={mode!r}")
     if mode is None:
         return model
-    old = model.linear if current == mode else None
+    old = model.linear if current == mode and isinstance(model.linear, QuantizedLinear) else None
     linear = QuantizedLinear(mode, max_rows)
     scratch = Scratch()
     for w in _layer_weights(model):

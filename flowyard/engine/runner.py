@@ -77,7 +77,12 @@ class ModelRunner:
                 p = d.num_computed
                 sample_rows.append(len(ids))
                 samplers.append(d)
-                ids.append(d.output_tokens[-1] if d.output_tokens else d.req.prompt_tokens[-1])
+                if d.output_tokens:
+                    ids.append(d.output_tokens[-1])
+                else:
+                    prompt = d.req.prompt_tokens
+                    assert prompt is not None, f"request {d.req.id} reached the engine without token ids"
+                    ids.append(prompt[-1])
                 pos.append(p)
                 slots.append(table[p // self.bs] * self.bs + p % self.bs)
                 tables.append(table[: p // self.bs + 1])

@@ -58,10 +58,11 @@ def run_experiment(name: str, out: str | Path = DEFAULT_OUT, *, quick: bool = Fa
         said: set[str] = set()
         inner = log
 
-        def log(m: str) -> None:  # type: ignore[no-redef]
+        def once(m: str) -> None:
             if m not in said:
                 said.add(m)
                 inner(m)
+        log = once
     settings = module.QUICK if quick else module.FULL
     command = command or reproduce_command(key, quick, seed, out) + (" --allow-dirty" if allow_dirty else "")
     repeats = getattr(settings, "seeds", 1)  # an experiment that repeats draws uses seeds seed..seed+n-1

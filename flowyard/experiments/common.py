@@ -182,6 +182,8 @@ def threshold_search(f: Callable[[float], float], grid: Sequence[float], target:
     harder = (lambda x: x * 2) if find == "max" else (lambda x: x / 2)
     easier = (lambda x: x / 2) if find == "max" else (lambda x: x * 2)
     pts = sorted(grid, reverse=(find == "min"))  # easy end first
+    if not pts:
+        raise ValueError("threshold_search needs a grid of at least one point")
     flags, pending = [], None
     for x in pts:  # every grid point is asked for before any is waited on (parallel sweeps)
         try:
@@ -190,13 +192,15 @@ def threshold_search(f: Callable[[float], float], grid: Sequence[float], target:
             pending = e
     if pending is not None:
         raise pending
-    good = bad = None
+    good: float | None = None
+    bad: float | None = None
     for x, passed in zip(pts, flags):
         if not passed:
             bad = x
             break
         good = x
     if bad is None:  # all pass: push on
+        assert good is not None  # the grid is not empty
         x = good
         for _ in range(extend):
             x = harder(x)
@@ -207,6 +211,7 @@ def threshold_search(f: Callable[[float], float], grid: Sequence[float], target:
         else:
             return done(value=good, capped=True)
     if good is None:  # the easiest grid point fails: retreat
+        assert bad is not None  # the grid is not empty
         x = bad
         for _ in range(extend):
             x = easier(x)
@@ -216,6 +221,7 @@ def threshold_search(f: Callable[[float], float], grid: Sequence[float], target:
             bad = x
         else:
             return done(value=0.0 if find == "max" else math.inf, never_met=True)
+    assert good is not None and bad is not None  # the scans above bracket the crossing
     while abs(bad - good) > tol * max(abs(bad), abs(good)):
         mid = 0.5 * (good + bad)
         if ok(mid):

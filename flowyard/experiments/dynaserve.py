@@ -73,8 +73,8 @@ def _maker(key: str, seed: int) -> Callable[[int, float], Workload]:
     if key == "reasoning":
         return lambda n, rate: reasoning_like(n, rate=rate, seed=seed)
     if key == "hybrid":
-        src = [load_trace("burstgpt"), load_trace("azure-code")]
-        return lambda n, rate: mix(src, n, rate=rate, seed=seed, name="hybrid")
+        parts = [load_trace("burstgpt"), load_trace("azure-code")]
+        return lambda n, rate: mix(parts, n, rate=rate, seed=seed, name="hybrid")
     if key.startswith("P"):  # "P219/D1467" or "P219/D1467~50"
         p, rest = key[1:].split("/D")
         d, _, std = rest.partition("~")

@@ -133,9 +133,10 @@ class Cluster:
         gaps = np.concatenate(gaps_each) if gaps_each else np.empty(0)
         ok = [len(g) == 0 or np.percentile(g, 99) <= TBT_SLO + 1e-9 for g in gaps_each]  # own P99 TBT
         good = sum(s.num_output for s, met in zip(states, ok) if met)
-        delay = [ttft(s) - self.cost.prefill_time(s.req.prompt_len) + (max(0.0, float(g.max()) - TBT_SLO)
-                                                                         if len(g) else 0.0)
-                 for s, g in zip(states, gaps_each) if ttft(s) is not None]
+        firsts = [(ttft(s), s, g) for s, g in zip(states, gaps_each)]
+        delay = [t - self.cost.prefill_time(s.req.prompt_len) + (max(0.0, float(g.max()) - TBT_SLO)
+                                                                   if len(g) else 0.0)
+                 for t, s, g in firsts if t is not None]
         mfu = tuple(self.spec.flops(w.prefill_tokens + w.decode_tokens, w.attn_pairs, w.decode_tokens)
                     / (self.peak * makespan) for w in res.instance_work)
         hbm = tuple(w.kv_usage(makespan) for w in res.instance_work)

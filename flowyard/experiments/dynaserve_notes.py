@@ -8,6 +8,7 @@ explanation is given only when the difference it explains shows in the run.
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 from flowyard.experiments.common import BAND, band_verdict, fmt_range, fmt_x, ratio
 from flowyard.experiments.report import null_effect_verdict
@@ -31,10 +32,22 @@ PAPER_CAPACITY = {COLOC: (1.15, 3.07, 2.37), DISAGG: (1.09, 1.67, 1.37)}
 PAPER_KV_REDUCTION = 0.94
 #: Fig. 8: DynaServe's goodput over each baseline, "up to" (abstract and §5.2)
 PAPER_GOODPUT_UP_TO = {COLOC: 1.91, DISAGG: 1.61}
+class LCUPoint(TypedDict):
+    """Fig. 6's LCU point: the model and GPU, the prefill and context lengths, the SLO (s) and
+    the decodes the paper found to fit."""
+
+    model: str
+    hardware: str
+    prefill: int
+    ctx: int
+    slo: float
+    decodes: int
+
+
 #: Fig. 6 text (Insight 2): Llama-3.1-8B on an A100, a 512-token prefill: latency passes the 50 ms
 #: SLO beyond 29 decodes of context 1024 (the LCU point)
-PAPER_LCU = {"model": "llama-3.1-8b", "hardware": "a100-80g", "prefill": 512, "ctx": 1024, "slo": 0.050,
-             "decodes": 29}
+PAPER_LCU: LCUPoint = {"model": "llama-3.1-8b", "hardware": "a100-80g", "prefill": 512, "ctx": 1024, "slo": 0.050,
+                        "decodes": 29}
 #: Table 3: the global scheduler's overhead per request (ms) at 6-16 QPS
 PAPER_T3_MS = (17.47, 15.48, 14.40, 13.70, 14.85, 14.54)
 #: Table 4: goodput changes by -0.4 to -2.9 % with the length error; ours must stay within ±5 %
@@ -137,7 +150,7 @@ def _capacity(res: Results) -> list[str]:
         text = (f"- **Serving capacity over {name}** ({BASE}): {fmt_range(r)}, mean {fmt_x(_mean(r))} "
                 f"(paper {lo:g}-{hi:g}x, mean {mean:g}x): {verdict(_mean(r), mean)}.")
         if base == COLOC and math.isfinite(_mean(r)) and _mean(r) < lo:
-            chunks = sorted({caps[k][COLOC].chunk for k in caps if caps[k][COLOC].chunk})
+            chunks = sorted({ch for k in caps if (ch := caps[k][COLOC].chunk)})
             text += (f" Colocation gets its best chunk size per workload ({', '.join(map(str, chunks))} won here); "
                      "with small chunks the roofline prices a mixed step well under the SLO, because it has no "
                      "kernel interference between prefill and decode inside one step, which is what the paper "

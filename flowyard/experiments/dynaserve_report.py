@@ -48,9 +48,9 @@ def headline(rep: Report, res: Results) -> None:
             rows.append([f"Table 2 hybrid serving capacity over {base}", f"{paper:.2f}×", fmt_x(ours),
                          verdict(ours, paper)])
     if res.sensitivity:
-        mean = {k: float(np.mean([p.goodput_tps for p in pts])) for k, pts in res.sensitivity.items()}
-        b = mean.get(0.0, mean.get(0))
-        ch = [ratio(v, b) - 1 for k, v in mean.items() if k and b]
+        means = {k: float(np.mean([p.goodput_tps for p in pts])) for k, pts in res.sensitivity.items()}
+        b = means.get(0.0, means.get(0))
+        ch = [ratio(v, b) - 1 for k, v in means.items() if k and b]
         rows.append(["Table 4 goodput change with output-length error (std 10-100)",
                      f"{100 * (min(PAPER_T4.values()) / PAPER_T4[0] - 1):+.1f} to "
                      f"{100 * (max(v for k, v in PAPER_T4.items() if k) / PAPER_T4[0] - 1):+.1f} %",
@@ -122,7 +122,7 @@ def fig8(rep: Report, res: Results) -> None:
             f"{', '.join(f'{x:g}' for x in CURVE)} x the best system's serving capacity on that workload.")
     rep.image("fig8_goodput.png", "goodput curves")
     rows = []
-    best = {COLOC: [], DISAGG: []}
+    best: dict[str, list[float]] = {COLOC: [], DISAGG: []}
     for m in models:
         for key in WORKLOADS:
             mx = {s: max((p.goodput_tps for p in res.curves[m][key][s] if math.isfinite(p.goodput_tps)), default=0.0)

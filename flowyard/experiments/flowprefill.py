@@ -225,12 +225,12 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
         rate = s.blocking_rate_frac * prefill_capacity(sc)
         say(f"[fig 12] {model}: preemption blocking at {rate:.2f} req/s")
         res.blocking[model], res.blocking_attainment[model] = {}, {}
-        for g in GRANULARITIES:
-            p = sc.point("flowprefill", rate, flowprefill=FlowPrefillConfig(granularity=g), label=g)
+        for gran in GRANULARITIES:
+            p = sc.point("flowprefill", rate, flowprefill=FlowPrefillConfig(granularity=gran), label=gran)
             st = p.blocking_stats()
             st["below_4.5ms"] = float(np.mean(np.asarray(p.blocking) < 4.5e-3)) if p.blocking else float("nan")
-            res.blocking[model][g] = st
-            res.blocking_attainment[model][g] = p.attainment
+            res.blocking[model][gran] = st
+            res.blocking_attainment[model][gran] = p.attainment
     res.wall_s, res.tally = clock.elapsed, tally
     return res
 

@@ -129,6 +129,17 @@ class Results:
     tally: Tally | None = None
 
 
+def _reply_len(n: int | None, output: int | None, cap: int | None) -> int | None:
+    """A reply's length: `output` when set, else `n` capped at `cap` (None: uncapped)."""
+    if output is not None:
+        return output
+    if cap is None:
+        return n
+    if n is None:
+        raise ValueError("output_cap needs requests whose output length the trace gives")
+    return min(n, cap)
+
+
 def conversations(trace: str, n: int, seed: int, *, output: int | None = None, output_cap: int | None = None,
                   ttft: float | None = TTFT_SLO) -> Workload:
     """`n` requests of `trace` chained into sessions (mean 4 turns, follow-ups of at most 64 new
@@ -136,8 +147,7 @@ def conversations(trace: str, n: int, seed: int, *, output: int | None = None, o
     histories hold only the earlier prompts); `output` sets every reply's length instead."""
     w = load_workload(SimConfig(trace=trace, model=MODEL, hardware=HARDWARE, num_requests=n, seed=seed))
     if output is not None or output_cap is not None:
-        reqs = [dataclasses.replace(r, output_len=output if output is not None else min(r.output_len, output_cap))
-                for r in w.requests]
+        reqs = [dataclasses.replace(r, output_len=_reply_len(r.output_len, output, output_cap)) for r in w.requests]
         w = w.derive(reqs, normalize_order=False)
     w = multi_turn_sessions(w, turns_mean=TURNS_MEAN, seed=seed, max_new_tokens=MAX_NEW_TOKENS, think_time=0.0,
                             max_prompt_len=MAX_CONTEXT)
@@ -183,7 +193,7 @@ class Runner:
         except SimulationError as e:
             self.tally.failures.append(f"{what}, c={conc}: {type(e).__name__}: {e}")
             nan = math.nan
-            return CLPoint(*([nan] * 11), error=str(e))
+            return CLPoint(nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, error=str(e))
         p = self._measure(res, sim, computed, prefill)
         self.tally.record(what, res.wall_s, None, res.events)  # a failed run is a failure, not a run
         if self.log is not None:

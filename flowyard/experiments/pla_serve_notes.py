@@ -5,12 +5,24 @@ model's step prices) so the text follows the run that writes it."""
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 from flowyard.experiments.pla_serve import (AFFINE_PD, BASELINE, FULL_PLA, MAX_NEW_TOKENS, CLPoint,
                                             Results)
 
+class PaperNumbers(TypedDict):
+    """`PAPER`'s entries: one number, or one per instance count / baseline / trace / claim."""
+
+    fig6_rps: dict[str, float]
+    fig6_mean_lat: float
+    fig7_1P: dict[str, float]
+    fig7_8P_router: float
+    distill: dict[str, float]
+    abstract: dict[str, float]
+
+
 #: the paper's numbers, each with the figure it belongs to (§4.1 text); positive = PLA better
-PAPER = {"fig6_rps": {"1P": 20.0, "8P": 33.0},  # "up to 20% and 33% higher RPS" (1 and 8 prefill instances)
+PAPER: PaperNumbers = {"fig6_rps": {"1P": 20.0, "8P": 33.0},  # "up to 20% and 33% higher RPS" (1 and 8 prefill instances)
          "fig6_mean_lat": 20.0,  # "while reducing average latency by 20%"
          "fig7_1P": {"vanilla DP (vllm)": 30.0, "PD + load-balancing router (distserve)": 10.0},  # points
          "fig7_8P_router": 4.7,  # 8P: PLA "zero SLO violations", the router "4.7%"

@@ -8,7 +8,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -101,14 +101,18 @@ def gain_verdict(ours: float, paper: float, band: float = BAND, unit: str = "%")
 MIN_SEEDS = 3
 
 
-def seed_spread(per_seed: Mapping[object, Sequence[float]]) -> float:
+K = TypeVar("K")  # a setting: a number, a name
+
+
+def seed_spread(per_seed: Mapping[K, Sequence[float]]) -> float:
     """The largest relative standard deviation (sample, over seeds) of any setting's values: how far
     one seed's number moves from another's with nothing changed but the draw. NaN under 2 seeds."""
     rel = [float(np.std(v, ddof=1) / np.mean(v)) for v in per_seed.values() if len(v) > 1 and np.mean(v) > 0]
     return max(rel) if rel else math.nan
 
 
-def null_effect_verdict(per_seed: Mapping[object, Sequence[float]], base: object, band: float, *,
+
+def null_effect_verdict(per_seed: Mapping[K, Sequence[float]], base: K, band: float, *,
                         min_seeds: int = MIN_SEEDS) -> str:
     """Verdict on a claim that a setting moves a metric by less than ±`band` (a null or small effect),
     judged against seed noise: `per_seed` maps each setting to its metric per seed, `base` is the
@@ -271,7 +275,7 @@ def save(fig, path: str | os.PathLike) -> None:
         raise OSError(f"cannot write figure to '{os.fspath(path)}': {e.strerror or e}") from e
 
 
-def curve_panel(ax, series: dict[str, Sequence[tuple[float, float]]], *, xlabel: str,
+def curve_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, xlabel: str,
                 ylabel: str = "TTFT SLO attainment (%)", marks: dict[str, float] | None = None,
                 target: float | None = 0.9, title: str = "", percent: bool = True) -> None:
     """Lines of (x, y) per series; `marks` draws a dotted vertical line per series (goodput,

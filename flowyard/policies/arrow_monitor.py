@@ -43,14 +43,41 @@ sooner needs queued-work re-dispatch in the executors (simulator, LocalCluster, 
 
 from __future__ import annotations
 
-from flowyard.policies.arrow_pools import DECODE_SIDE, Pool, has_prefill_work
-from flowyard.policies.base import ClusterView
+from typing import TYPE_CHECKING, Protocol
+
+from flowyard.policies.arrow_pools import DECODE_SIDE, ElasticPools, Pool, has_prefill_work
+from flowyard.policies.base import ClusterView, InstanceSnapshot
+
+if TYPE_CHECKING:
+    from flowyard.policies.arrow import ArrowConfig
+
+
+class _ArrowHost(Protocol):
+    """What `InstanceMonitor` uses of the router it is mixed into (`ArrowRouter`)."""
+
+    cfg: ArrowConfig
+    pools: ElasticPools | None
+    _tpot: float
+    _ttft: float
+    _over: int
+    _last_tick: float | None
+
+    def _refresh(self, view: ClusterView, now: float) -> ElasticPools: ...
+
+    def delay(self, s: InstanceSnapshot) -> float: ...
+
+    def decode_load(self, snaps: list[InstanceSnapshot], tpot: float, spare: int = 0) -> float: ...
+
+    def try_move_prefill_to_decode(self, view: ClusterView, now: float,
+                                   only: list[int] | None = None) -> int | None: ...
+
+    def unstrand(self: _ArrowHost, view: ClusterView, now: float) -> int | None: ...
 
 
 class InstanceMonitor:
     """Mixed into `ArrowRouter`: the periodic controller (`tick`)."""
 
-    def tick(self, view: ClusterView, now: float) -> None:
+    def tick(self: _ArrowHost, view: ClusterView, now: float) -> None:
         """Monitor-triggered flips (module docstring): a P→D instance holding stranded prefill
         work back towards prefill, else towards decode (§5.5 cases 2 and 3)."""
         self._last_tick = now
@@ -73,7 +100,7 @@ class InstanceMonitor:
             if idle:
                 self.try_move_prefill_to_decode(view, now, only=idle)
 
-    def unstrand(self, view: ClusterView, now: float) -> int | None:
+    def unstrand(self: _ArrowHost, view: ClusterView, now: float) -> int | None:
         """Flip the P→D instance with the most stranded prefill work (predicted queueing delay
         over the TTFT threshold) back towards prefill, if decode can spare it. Returns it."""
         pools = self.pools

@@ -9,19 +9,58 @@ router records on every dispatch), and the executors call both through one objec
 
 from __future__ import annotations
 
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
 from flowyard.core.request import RequestState
+from flowyard.policies.arrow import ArrowRouter
 from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
 from flowyard.policies.base import ClusterView
-from flowyard.policies.flowyard_regime import Choice, Load, rate as _rate
+from flowyard.policies.flowyard_regime import Choice, Load, RegimePricer, rate as _rate
+
+if TYPE_CHECKING:
+    from flowyard.policies.flowyard_policy import FlowyardConfig
+
+
+class _RouterState(Protocol):
+    """What `RegimeControl` uses of the router it is mixed into (`FlowyardRouter`)."""
+
+    cfg: FlowyardConfig
+    arrow: ArrowRouter
+    pricer: RegimePricer
+    regime: str
+    n_prefill: int
+    switches: list[tuple[float, str]]
+    estimates: list[tuple[float, str, int]]
+    splits: list[tuple[float, int]]
+    _votes: int
+    _tpots: deque[float]
+    _prompts: deque[int]
+    _urgency: deque[float]
+    _ttfts: deque[float]
+    _arrivals: deque[float]
+    _outputs: deque[int]
+
+    def steady_decodes(self, observed: int, step: float, now: float) -> float: ...
+
+    def load(self, view: ClusterView, now: float) -> Load | None: ...
+
+    def wanted(self, view: ClusterView, now: float) -> Choice: ...
+
+    def _backlogged(self, view: ClusterView, n_prefill: int) -> bool: ...
+
+    def _resize(self, view: ClusterView, now: float, n_prefill: int) -> None: ...
 
 
 class RegimeControl:
-    def on_finished(self, state: RequestState, now: float) -> None:
+    """Mixed into `FlowyardRouter` (see the module docstring); `_RouterState` is what it uses."""
+
+    def on_finished(self: _RouterState, state: RequestState, now: float) -> None:
         """Learn the mean output length (executors call this for every finished request)."""
         if state.num_output:
             self._outputs.append(state.num_output)
 
-    def steady_decodes(self, observed: int, step: float, now: float) -> float:
+    def steady_decodes(self: _RouterState, observed: int, step: float, now: float) -> float:
         """Decodes the cluster holds once prefill keeps up with arrivals: at least those
         running now, and at least arrival rate (last `window` seconds) x mean output of the
         requests finished recently x time per token (Little's law). The decodes running now lag
@@ -33,7 +72,7 @@ class RegimeControl:
         rate = _rate(self._arrivals, now, self.cfg.window)
         return max(float(observed), rate * sum(self._outputs) / len(self._outputs) * step)
 
-    def load(self, view: ClusterView, now: float) -> Load | None:
+    def load(self: _RouterState, view: ClusterView, now: float) -> Load | None:
         """What the pricing needs, from the recent arrivals and the instances' snapshots."""
         if not self._tpots or len(self._arrivals) < self.cfg.min_arrivals:
             return None  # no TPOT SLO, or too few arrivals to price anything yet: stay as configured
@@ -46,7 +85,7 @@ class RegimeControl:
         return Load(len(snaps), _rate(self._arrivals, now, self.cfg.window), length, decodes,
                     sum(s.running_tokens for s in snaps) / running if running else 0.0, tpot, urgency)
 
-    def wanted(self, view: ClusterView, now: float) -> Choice:
+    def wanted(self: _RouterState, view: ClusterView, now: float) -> Choice:
         """The option with the largest sustainable load scale (`flowyard_regime`)."""
         load = self.load(view, now)
         if load is None:
@@ -57,12 +96,12 @@ class RegimeControl:
             choice = Choice("disaggregated", current, choice.scores)
         if self.cfg.mode == "disaggregated" and choice.regime == "colocated":
             dis = {k: v for k, v in choice.scores.items() if k} or {current or load.instances // 2: 0.0}
-            best = max(dis, key=dis.get)
+            best = max(dis, key=lambda k: dis[k])
             choice = Choice("disaggregated", best, choice.scores)
         self.estimates.append((now, choice.regime, choice.n_prefill))
         return choice
 
-    def _backlogged(self, view: ClusterView, n_prefill: int) -> bool:
+    def _backlogged(self: _RouterState, view: ClusterView, n_prefill: int) -> bool:
         """Whether the prefill pool's queued work, spread over n_prefill instances, would take
         more than `shrink_backlog` of the recent arrivals' mean TTFT SLO."""
         share, pools = self.cfg.shrink_backlog, self.arrow.pools
@@ -72,7 +111,7 @@ class RegimeControl:
         work = sum(self.arrow.delay(view.snapshot(i)) for i in pools.members(*PREFILL_SIDE))
         return work / n_prefill > share * ttft
 
-    def tick(self, view: ClusterView, now: float) -> None:
+    def tick(self: _RouterState, view: ClusterView, now: float) -> None:
         if self.cfg.mode != "colocated":
             want = self.wanted(view, now)
             if not self.cfg.elastic and want.regime == "disaggregated":
@@ -89,7 +128,7 @@ class RegimeControl:
         if self.regime == "disaggregated" and self.arrow.period is not None:
             self.arrow.tick(view, now)  # Arrow's monitor (creates the pools on first use)
 
-    def _resize(self, view: ClusterView, now: float, n_prefill: int) -> None:
+    def _resize(self: _RouterState, view: ClusterView, now: float, n_prefill: int) -> None:
         """Flip instances between Arrow's pools until `n_prefill` take prefills: to decode the
         prefill-side instance with the least queued prefill, to prefill the decode-side one
         with the fewest running tokens (zero-wait flips: the pools are bookkeeping)."""

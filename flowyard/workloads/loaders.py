@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from flowyard.workloads.arrivals import DEFAULT_RATE, make_arrivals
 from flowyard.workloads.fields import parse_length, parse_seconds, parse_wallclock, read_text
 from flowyard.workloads.workload import Workload, WorkloadError, build_requests
@@ -153,31 +155,33 @@ def _parse_csv(src: str, text: str, fmt: str) -> _Columns:
                 c.frac.append(t[1])
     elif fmt in ("vidur", "lengths"):
         ip, io_ = cols["num_prefill_tokens"], cols["num_decode_tokens"]
-        it = cols.get("arrived_at") if fmt == "vidur" else None
+        iat = cols.get("arrived_at") if fmt == "vidur" else None
         for ln, r in rows:
-            t = parse_seconds(src, ln, "arrived_at", r[it]) if it is not None else 0.0
+            at = parse_seconds(src, ln, "arrived_at", r[iat]) if iat is not None else 0.0
             p = parse_length(src, ln, "num_prefill_tokens", r[ip])
             if c.keep(p, parse_length(src, ln, "num_decode_tokens", r[io_])):
-                c.secs.append(t)
+                c.secs.append(at)
     else:  # burstgpt v1 / v3
-        it, im = cols["timestamp"], cols["model"]
+        its, im = cols["timestamp"], cols["model"]
         ip, io_ = cols["request tokens"], cols["response tokens"]
         isess = cols.get("session id")
-        c.task = []
-        c.session = [] if isess is not None else None  # v1 has no sessions
+        task: list[str | None] = []
+        session: list[str | None] | None = [] if isess is not None else None  # v1 has no sessions
+        c.task, c.session = task, session
         for ln, r in rows:
-            t = parse_seconds(src, ln, "Timestamp", r[it])
+            ts = parse_seconds(src, ln, "Timestamp", r[its])
             p = parse_length(src, ln, "Request tokens", r[ip])
             if c.keep(p, parse_length(src, ln, "Response tokens", r[io_])):
-                c.secs.append(t)
-                c.task.append(r[im].strip() or None)
-                if c.session is not None:
-                    c.session.append(r[isess].strip() or None)  # empty for API-log rows
+                c.secs.append(ts)
+                task.append(r[im].strip() or None)
+                if session is not None and isess is not None:
+                    session.append(r[isess].strip() or None)  # empty for API-log rows
     return c
 
 
 def _parse_mooncake(src: str, text: str) -> _Columns:
-    c = _Columns(hashes=[])
+    hashes: list[tuple[int, ...]] = []
+    c = _Columns(hashes=hashes)
     for ln, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -197,7 +201,7 @@ def _parse_mooncake(src: str, text: str) -> _Columns:
             raise WorkloadError(src, ln, "key 'hash_ids' must be a list of integers")
         if c.keep(p, parse_length(src, ln, "output_length", str(obj["output_length"]))):
             c.secs.append(t)
-            c.hashes.append(tuple(h))  # type: ignore[union-attr]
+            hashes.append(tuple(h))
     return c
 
 
@@ -239,6 +243,7 @@ def load_file(
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if rate is not None and not (rate > 0 and math.isfinite(rate)):
         raise ValueError(f"rate must be a positive number of req/s, got {rate!r}")
+    arrivals: np.ndarray | list[float]
     if fmt == "lengths":
         n = len(cols.prompt) if num_requests is None else min(num_requests, len(cols.prompt))
         arrivals = make_arrivals(arrival, n, DEFAULT_RATE if rate is None else rate, seed, cv)
