@@ -46,7 +46,7 @@ class BatchShape:
     prefill_seqs: int = 0
     prefill_attn: float = 0.0
     prefill_kv: float = 0
-    decode_seqs: int = 0
+    decode_seqs: int | np.ndarray = 0
     decode_ctx: float | np.ndarray = 0
     graphed: bool = False  # replayed as a captured graph: per-kernel launch costs mostly vanish
 

@@ -75,9 +75,9 @@ def indexed_pick(router: "FlowyardRouter", req: Request, view: ClusterView, cand
         starts.append(pos)
         pos = order.bisect_left(((order[pos][0][0] + 1, -1), -1))
     heads = [order[p][0] for p in starts]
-    bounds = router.predictor.step_time(BatchShape(
+    bounds = np.asarray(router.predictor.step_time(BatchShape(
         decode_seqs=np.array([n + 1 for n, _ in heads], dtype=np.int64),
-        decode_ctx=np.array([float(c + prompt) for _, c in heads])))
+        decode_ctx=np.array([float(c + prompt) for _, c in heads]))))
     best: tuple[float, float, int] | None = None
     for g in np.argsort(bounds, kind="stable"):
         if best is not None and bounds[g] > best[0]:
