@@ -3,7 +3,9 @@
 The actor is asynchronous so that the driver never waits on a busy instance and so that an
 arrival reaches a step in flight: `add_request`, `abort` and `put` only append to an inbox;
 everything that touches the engine runs on one worker thread, which drains the inbox before
-each action. Ray does not keep the order of calls to an async actor, so the driver numbers
+each action. What the driver must log (a refusal, a preemption signal) and the KV the source
+still holds for a moved request (released when this instance has imported it) travel back
+with the next step's `StepReport`. Ray does not keep the order of calls to an async actor, so the driver numbers
 its calls to each actor and every call waits for its turn. During a preemptible step (FlowPrefill) the engine calls
 `_at_boundary` between operators, which takes in new requests there, so they can preempt
 the running prefill exactly as in one process; anything else waits for the step's end.
@@ -14,14 +16,38 @@ from __future__ import annotations
 import asyncio
 import collections
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
+from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, StepResult
+from flowyard.runtime.lockstep import LockstepActor
+
+
+@dataclass
+class StepReport:
+    """What one actor step sends the driver. events: ("reject", t, request, reason) for a
+    request this instance refused, ("preempt", t, operators done) for an arrival that signalled
+    the running prefill to stop; admitted: (request, source instance) for each moved request
+    whose KV this instance imported, so the driver tells the source to release it; idle: the
+    step found nothing to run (wake: when its scheduler asked to be called again)."""
+
+    outputs: list[RequestOutput]
+    results: list[StepResult]
+    snapshot: InstanceSnapshot
+    busy: bool
+    preemption: PreemptionStats
+    steps: list = field(default_factory=list)  # timeline spans, on the cluster's clock
+    transfers: list = field(default_factory=list)
+    events: list[tuple] = field(default_factory=list)
+    admitted: list[tuple[int, int]] = field(default_factory=list)
+    idle: bool = False
+    wake: float | None = None
 
 
 def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, fetch) -> int:
@@ -40,14 +66,19 @@ def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, 
     return start
 
 
-class EngineActor:
-    def __init__(self, model: str | None, config: EngineConfig, instance: int, policy: Any, t0: float) -> None:
+class EngineActor(LockstepActor):
+    def __init__(self, model: str | None, config: EngineConfig, instance: int, policy: Any, t0: float,
+                 lockstep: bool = False) -> None:
+        """lockstep: the driver steps this actor one step at a time on its own clock
+        (`flowyard.runtime.lockstep`); otherwise it steps whenever asked, on the wall clock."""
         import torch
 
         torch.set_num_threads(max(1, config.threads or 1))
         base = LLMEngine.from_path(model, config)
+        self.vnow = 0.0  # lockstep: the driver's clock, as of its last call
         self.engine = LLMEngine(base.model, base.tokenizer, config, base.model_name, instance=instance,
-                                role=policy.roles[instance], t0=t0,
+                                role=policy.roles[instance], t0=0.0 if lockstep else t0,
+                                clock=(lambda: self.vnow) if lockstep else None,
                                 scheduler=lambda kv, max_len: policy.make_local(
                                     instance, kv, max_model_len=max_len, single_step=True))
         self.engine.boundary_hook = self._at_boundary
@@ -58,8 +89,13 @@ class EngineActor:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
         self.trace = Timeline()  # steps and KV imports since the last report
         self._src: dict[int, int] = {}  # migrating request -> the instance its KV comes from
+        self.held: set[int] = set()  # requests taken from here whose KV stays until the driver releases it
+        self.events: list[tuple] = []  # for the driver's decision log (see StepReport)
+        self.admitted: list[tuple[int, int]] = []
         self._next = 0  # number of the driver's next call
         self._turns: asyncio.Condition | None = None
+        if lockstep:
+            self._lockstep_hooks()
 
     async def _turn(self, seq: int) -> None:
         """Wait until every call the driver made before this one has started."""
@@ -83,6 +119,11 @@ class EngineActor:
         await self._turn(seq)
         self.inbox.append(("abort", rid))
 
+    async def release(self, seq: int, req_id: int) -> None:
+        """Free the KV of a request taken from here: its destination has imported it."""
+        await self._turn(seq)
+        self.inbox.append(("release", req_id))
+
     async def put(self, seq: int, rid: str, payload: list) -> None:
         """Take in a migrated request: [the source's `take`], by reference, so this call never
         waits for the source; the KV is imported once it is in the object store."""
@@ -104,24 +145,29 @@ class EngineActor:
     async def snapshot(self, seq: int) -> InstanceSnapshot:
         return await self._run(seq, self._snapshot)
 
-    async def step(self, seq: int) -> tuple[list[RequestOutput], list[StepResult], InstanceSnapshot, bool, Any]:
+    async def step(self, seq: int) -> StepReport:
         return await self._run(seq, self._step)
 
     async def hand_off(self, seq: int, req_id: int) -> RequestState | None:
         """Stop running a request here, keeping its KV for a migration (any token position)."""
         return await self._run(seq, self._hand_off, req_id)
 
-    async def take(self, seq: int, req_id: int, fields: dict, chunk_blocks: int = 16) -> tuple[dict, list] | None:
+    async def take(self, seq: int, req_id: int, fields: dict, keep: bool = True,
+                   chunk_blocks: int = 16) -> tuple[dict, list] | None:
         """Give up a handed-off request: its record (with the driver's `fields` decisions) and
-        its KV blocks in chunks of `chunk_blocks` blocks, each its own object in the store."""
-        return await self._run(seq, self._take, req_id, fields, chunk_blocks)
+        its KV blocks in chunks of `chunk_blocks` blocks, each its own object in the store.
+        keep: the blocks stay allocated here until `release` (the destination admitted it);
+        otherwise (the request continues here) they are freed now."""
+        return await self._run(seq, self._take, req_id, fields, keep, chunk_blocks)
 
     # -- on the worker thread --------------------------------------------------------------------
     def _snapshot(self) -> InstanceSnapshot:
         self._drain()
         return self.engine.scheduler.snapshot()
 
-    def _step(self):
+    def _step(self, admit: bool = True) -> StepReport:
+        """One engine step, then (admit) the migrations that now have room. In lockstep the
+        driver admits them itself, after it has routed what this step produced."""
         import ray
 
         self._drain()
@@ -137,11 +183,20 @@ class EngineActor:
         if e.last_plan is not None:  # for the driver's timeline, in the cluster's clock
             self.trace.step(e.instance, start, e.now(), e.last_plan, preempted=e.pool.stats.count > preempted)
         results, e.results = e.results, []
-        self._admit()
+        idle = e.idle and not results
+        if admit:
+            self._admit()
+        return self._report(outputs, results, idle)
+
+    def _report(self, outputs: list[RequestOutput], results: list[StepResult], idle: bool = False) -> StepReport:
+        e = self.engine
         outputs, self.errors = outputs + self.errors, []
         busy = e.has_unfinished() or bool(self.inbox) or bool(self.arriving)
         trace, self.trace = self.trace, Timeline()
-        return outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, (trace.steps, trace.transfers)
+        events, self.events = self.events, []
+        admitted, self.admitted = self.admitted, []
+        return StepReport(outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, trace.steps,
+                          trace.transfers, events, admitted, idle, e.wake_time if idle else None)
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)
@@ -156,10 +211,21 @@ class EngineActor:
             getattr(self, "_apply_" + cmd[0])(*cmd[1:])
 
     def _apply_add(self, rid: str, state: RequestState, params: SamplingParams) -> None:
+        e = self.engine
+        signalled = e.pool.signalled
         try:
-            self.engine.add_tracked(self.engine.track(rid, state, params))
+            e.add_tracked(e.track(rid, state, params))
         except ValueError as err:
+            self.events.append(("reject", e.now(), state.id, str(err)))
             self.errors.append(RequestOutput(rid, finished=True, finish_reason="rejected", error=str(err)))
+            return
+        if e.pool.signalled and not signalled:  # it preempts the prefill in flight here
+            self.events.append(("preempt", e.now(), e.pool.ops))
+
+    def _apply_release(self, req_id: int) -> None:
+        if req_id in self.held:
+            self.held.discard(req_id)
+            self.engine.scheduler.release(req_id)
 
     def _apply_abort(self, rid: str) -> None:
         t = self.engine.tracked(rid)
@@ -171,13 +237,13 @@ class EngineActor:
         self.arriving.append((rid, ref))
         self._receive()
 
-    def _receive(self) -> None:
-        """Take in the migrations whose record has reached the object store. One whose
-        source died on the way fails with a clear error."""
+    def _receive(self, block: bool = False) -> None:
+        """Take in the migrations whose record has reached the object store (block: wait for
+        all of them). One whose source died on the way fails with a clear error."""
         import ray
 
         refs = [ref for _, ref in self.arriving]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=None if block else 0)[0])
         waiting = []
         for rid, ref in self.arriving:
             if ref not in ready:
@@ -220,7 +286,7 @@ class EngineActor:
             return None
         return self.engine.scheduler.hand_off(req_id)
 
-    def _take(self, req_id: int, fields: dict, chunk_blocks: int) -> tuple[dict, list] | None:
+    def _take(self, req_id: int, fields: dict, keep: bool, chunk_blocks: int) -> tuple[dict, list] | None:
         import ray
 
         self._drain()
@@ -233,7 +299,10 @@ class EngineActor:
             setattr(st, k, v)
         table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
         kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
-        e.scheduler.release(st.id)
+        if keep:  # the Transport contract: the source frees it once the destination admits it
+            self.held.add(st.id)
+        else:
+            e.scheduler.release(st.id)
         record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text, "src": e.instance,
                   "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
                   "generator": None if t.generator is None else t.generator.get_state(),
@@ -248,7 +317,8 @@ class EngineActor:
         e = self.engine
         kv_of = {st.id: kv for st, kv in self.pending}
         for st in e.scheduler.admit_migrations(e.now()):
-            t0 = e.now()
+            t0, src = e.now(), self._src.pop(st.id, -1)
+            self.admitted.append((st.id, src))  # imported or lost: the source may free its copy
             try:
                 import_kv_chunks(e.runner, e.kv.block_table(st.id), kv_of.pop(st.id), st.num_computed, ray.get)
             except Exception as err:  # noqa: BLE001 - any loss of the KV objects
@@ -259,5 +329,5 @@ class EngineActor:
                                                  error=f"the request's KV cache was lost in transfer ({type(err).__name__}); retry"))
                 continue
             e.scheduler.migration_arrived(st, e.now())
-            self.trace.transfer(st.id, self._src.pop(st.id, -1), e.instance, t0, e.now())
+            self.trace.transfer(st.id, src, e.instance, t0, e.now())
         self.pending = [(st, kv) for st, kv in self.pending if st.id in kv_of]
