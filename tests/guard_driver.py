@@ -123,21 +123,23 @@ def run_cluster(name: str, jobs: list[Job], cost, opts: PolicyOptions, model, to
 
 
 def run_ray_cluster(name: str, jobs: list[Job], cost, opts: PolicyOptions, model_dir: str, block: int,
-                    kv_tokens: int) -> tuple[DecisionLog, dict[str, list[int]]]:
-    """The workload through a `RayCluster` in lockstep on a virtual clock (Ray initialised)."""
+                    kv_tokens: int, actors: list) -> tuple[DecisionLog, dict[str, list[int]]]:
+    """The workload through a `RayCluster` in lockstep on a virtual clock (Ray initialised).
+    actors: running actors to reuse, given back (plus any started) when the run is done."""
     from flowyard.runtime.ray_cluster import RayCluster
 
     clock = VirtualClock()
     log = DecisionLog()
     cluster = RayCluster(model_dir, build_policy(name, opts), engine_config(kv_tokens, block), decisions=log,
-                         lockstep=True, clock=clock)
+                         lockstep=True, clock=clock, actors=actors)
     try:
         drive = Driver(cluster, jobs, clock, cost)
         cluster.on_pause = drive.pause
         drive.run()
         assert all(s.kv_free_blocks == s.kv_total_blocks for s in cluster.fresh_snapshots())  # no KV kept
     finally:
-        cluster.shutdown()
+        used = cluster.detach()
+        actors[:len(used)] = used
     return log, drive.tokens
 
 

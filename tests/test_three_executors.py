@@ -23,11 +23,15 @@ pytestmark = pytest.mark.skipif(ray is None, reason="ray is not installed (pip i
 
 @pytest.fixture(scope="module")
 def ray_model(tmp_path_factory):
-    """One Ray session and one tiny checkpoint for the whole module (the actors load it)."""
+    """One Ray session, one tiny checkpoint and one set of actors for the whole module: each
+    policy's cluster adopts the actors the last one gave up (`RayCluster(actors=...)`)."""
     pytest.importorskip("transformers")
     d, _ = make_tiny_model(tmp_path_factory.mktemp("guard3"), "llama")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield str(d)
+    actors: list = []
+    yield str(d), actors
+    for a in actors:
+        ray.kill(a)
     ray.shutdown()
 
 
@@ -35,12 +39,13 @@ def ray_model(tmp_path_factory):
 def test_simulator_local_and_ray_clusters_decide_the_same_event_by_event(name, ray_model):
     from guard_driver import load_dir, profile_cost, run_cluster, run_ray_cluster, simulate
 
+    model_dir, actors = ray_model
     cost = profile_cost(capacity=GUARD_KV)
     jobs = guard_jobs()
     opts = guard_options(name, cost)
     sim = simulate(name, jobs, cost, opts, GUARD_BLOCK)
-    local, local_tokens = run_cluster(name, jobs, cost, opts, *load_dir(ray_model), GUARD_BLOCK, GUARD_KV)
-    real, tokens = run_ray_cluster(name, jobs, cost, opts, ray_model, GUARD_BLOCK, GUARD_KV)
+    local, local_tokens = run_cluster(name, jobs, cost, opts, *load_dir(model_dir), GUARD_BLOCK, GUARD_KV)
+    real, tokens = run_ray_cluster(name, jobs, cost, opts, model_dir, GUARD_BLOCK, GUARD_KV, actors)
     assert local.without_time() == sim.without_time()
     assert real.without_time() == sim.without_time()
     assert [d.t for d in real.decisions] == pytest.approx([d.t for d in sim.decisions], abs=1e-9)

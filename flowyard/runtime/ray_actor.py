@@ -74,7 +74,18 @@ class EngineActor(LockstepActor):
         import torch
 
         torch.set_num_threads(max(1, config.threads or 1))
-        base = LLMEngine.from_path(model, config)
+        self._base = LLMEngine.from_path(model, config)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
+        self._setup(config, instance, policy, t0, lockstep)
+
+    async def reset(self, config: EngineConfig, instance: int, policy: Any, t0: float, lockstep: bool) -> None:
+        """Serve a new driver (another policy, configuration or clock) with the model already
+        loaded: everything else starts afresh. The previous driver has stopped calling."""
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._setup, config, instance, policy, t0,
+                                                         lockstep)
+
+    def _setup(self, config: EngineConfig, instance: int, policy: Any, t0: float, lockstep: bool) -> None:
+        base = self._base
         self.vnow = 0.0  # lockstep: the driver's clock, as of its last call
         self.engine = LLMEngine(base.model, base.tokenizer, config, base.model_name, instance=instance,
                                 role=policy.roles[instance], t0=0.0 if lockstep else t0,
@@ -86,7 +97,6 @@ class EngineActor(LockstepActor):
         self.pending: list[tuple[RequestState, list]] = []  # migrations waiting for KV room
         self.errors: list[RequestOutput] = []  # refusals and lost migrations, sent with the next step
         self.arriving: list[tuple[str, Any]] = []  # (request id, the source's `take`) not there yet
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
         self.trace = Timeline()  # steps and KV imports since the last report
         self._src: dict[int, int] = {}  # migrating request -> the instance its KV comes from
         self.held: set[int] = set()  # requests taken from here whose KV stays until the driver releases it

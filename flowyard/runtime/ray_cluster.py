@@ -59,10 +59,12 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
                  address: str | None = None, *, decisions: DecisionLog | None = None,
                  timeline: Timeline | None = None, lockstep: bool = False,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, actors: list | None = None) -> None:
         """lockstep: step one actor at a time, in the simulator's order, with fresh snapshots
         (deterministic; see `flowyard.runtime.ray_lockstep`); clock: seconds since some
-        origin (default the wall clock; the guard injects a virtual one)."""
+        origin (default the wall clock; the guard injects a virtual one); actors: running
+        actors another cluster gave up (`detach`), which serve this one with the model they
+        have loaded (instance i takes actors[i]; more are started if there are too few)."""
         from flowyard.optional import require
 
         ray = require("ray", "running instances as Ray actors (--ray)")
@@ -78,7 +80,8 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
         self._model = model
         self._policy_ref = ray.put(policy)  # each actor builds its own local scheduler from it
         self._seq: list[itertools.count] = []
-        self.actors = [self._spawn(i) for i in range(len(policy.roles))]
+        reuse = list(actors or [])
+        self.actors = [self._spawn(i, reuse[i] if i < len(reuse) else None) for i in range(len(policy.roles))]
         infos = ray.get([a.info.remote() for a in self.actors])
         self.model_name = infos[0][0]
         self.max_model_len = min(i[1] for i in infos)
@@ -101,8 +104,11 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
         self.failures = 0
         self.restarts = 0
 
-    def _spawn(self, i: int):
-        actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0, self.lockstep)
+    def _spawn(self, i: int, actor=None):
+        if actor is None:
+            actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0, self.lockstep)
+        else:
+            self._ray.get(actor.reset.remote(self.config, i, self._policy_ref, self._t0, self.lockstep))
         if not hasattr(self, "_watch"):
             self._watch: dict[int, Any] = {}
         self._watch[i] = actor.watch.remote()  # returns (with an error) only when the actor dies
@@ -339,3 +345,9 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
     def shutdown(self) -> None:
         for a in self.actors:
             self._ray.kill(a)
+
+    def detach(self) -> list:
+        """Give up the actors without stopping them, for another `RayCluster(actors=...)`:
+        it reuses the processes and the model they have loaded."""
+        actors, self.actors = self.actors, []
+        return actors
