@@ -88,3 +88,4 @@ def test_a_request_an_actor_refuses_is_logged_as_a_refusal(model, lockstep):
         assert finish(c)["ok"][0] == "length"
     finally:
         give_back(model, c)
+

@@ -16,54 +16,16 @@ from __future__ import annotations
 import asyncio
 import collections
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
-from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, StepResult
 from flowyard.runtime.lockstep import LockstepActor
-
-
-@dataclass
-class StepReport:
-    """What one actor step sends the driver. events: ("reject", t, request, reason) for a
-    request this instance refused, ("preempt", t, operators done) for an arrival that signalled
-    the running prefill to stop; admitted: (request, source instance) for each moved request
-    whose KV this instance imported, so the driver tells the source to release it; idle: the
-    step found nothing to run (wake: when its scheduler asked to be called again)."""
-
-    outputs: list[RequestOutput]
-    results: list[StepResult]
-    snapshot: InstanceSnapshot
-    busy: bool
-    preemption: PreemptionStats
-    steps: list = field(default_factory=list)  # timeline spans, on the cluster's clock
-    transfers: list = field(default_factory=list)
-    events: list[tuple] = field(default_factory=list)
-    admitted: list[tuple[int, int]] = field(default_factory=list)
-    idle: bool = False
-    wake: float | None = None
-
-
-def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, fetch) -> int:
-    """Import the KV blocks a migrated request was admitted with: those covering its first
-    `num_computed` tokens, from the source's chunks (`fetch(chunk)` gives the tensor). A
-    migration admitted without its KV (DynaServe's patience ran out: num_computed 0, to be
-    recomputed here) imports nothing and fetches nothing. Returns the blocks imported."""
-    need, start = -(-num_computed // runner.bs), 0
-    for ref in chunks:
-        if start >= need:
-            break
-        chunk = fetch(ref)
-        n = min(chunk.shape[2], need - start)
-        runner.import_kv(table[start:start + n], chunk[:, :, :n])
-        start += n
-    return start
+from flowyard.runtime.ray_reports import StepReport, import_kv_chunks  # noqa: F401 - import_kv_chunks: tests
 
 
 class EngineActor(LockstepActor):
@@ -335,8 +297,9 @@ class EngineActor(LockstepActor):
                 rid = e.tracked_by_id(st.id).request_id
                 e.scheduler.migration_arrived(st, e.now())
                 e.abort(rid)
-                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", retry_after=1.0,
-                                                 error=f"the request's KV cache was lost in transfer ({type(err).__name__}); retry"))
+                self.errors.append(RequestOutput(rid, finished=True, finish_reason="error", retry_after=1.0, error=(
+                    f"the request's KV cache was lost in transfer from instance {src}, which went down "
+                    f"({type(err).__name__}); retry")))
                 continue
             e.scheduler.migration_arrived(st, e.now())
             self.trace.transfer(st.id, src, e.instance, t0, e.now())

@@ -34,12 +34,13 @@ from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.base import InstanceSnapshot, Role
 from flowyard.policies.registry import Policy
 from flowyard.runtime.base import ClusterBase
-from flowyard.runtime.ray_actor import EngineActor, StepReport
+from flowyard.runtime.ray_actor import EngineActor
 from flowyard.runtime.ray_faults import RayFaults
 from flowyard.runtime.ray_lockstep import RayLockstep
+from flowyard.runtime.ray_reports import RayReports
 
 
-class RayCluster(RayLockstep, RayFaults, ClusterBase):
+class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
     """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive).
 
     Failures: every actor has a `watch` call outstanding that only returns when the actor
@@ -179,15 +180,6 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
         if self.lockstep:
             self._lockstep_admit(dst)
 
-    def _released(self, admitted: list[tuple[int, int]]) -> None:
-        """The destination imported these requests' KV: their sources free their copies."""
-        for req_id, _ in admitted:
-            home = self._kv_home.pop(req_id, None)
-            if home is not None and home not in self._down:
-                self._call(home, "release", req_id)
-                self._mark_busy(home)  # it steps once, so its snapshot shows the KV free
-                self._kick(home)
-
     def fail(self, instance: int, st: RequestState, reason: str) -> None:
         rid = self._rid[st.id]
         self._ended(st.id, "failed")
@@ -289,41 +281,6 @@ class RayCluster(RayLockstep, RayFaults, ClusterBase):
                     outputs += self._instance_died(i)
                 continue
             outputs += self._apply(i, report)
-        return outputs
-
-    def _apply(self, i: int, report: StepReport) -> list[RequestOutput]:
-        """What one actor step produced: its outputs, the decisions it took (logged), the KV
-        its sources may free, then the cluster core's hand-offs and moves."""
-        # Work sent while this step ran is not in its report: stay busy for it.
-        self._snaps[i], self._busy[i] = report.snapshot, report.busy or i in self._sent_during_step
-        self._preemption[i] = report.preemption
-        self._sent_during_step.discard(i)
-        for rid, src, dst, start, end in report.transfers:
-            self._transferred(start, rid, src, dst, end - start)
-        if self.timeline is not None:
-            self.timeline.steps += report.steps
-            self.timeline.transfers += report.transfers
-        for event in report.events:
-            if event[0] == "preempt":
-                self.core.preempted(i, event[1], event[2])
-            else:  # a refusal
-                _, t, req_id, reason = event
-                st = self._states.get(req_id)
-                if st is not None:
-                    self.core.refused(i, st, reason, t)
-                self._ended(req_id, "rejected")
-        self._released(report.admitted)
-        outputs = report.outputs
-        for o in outputs:
-            self._inputs.pop(o.request_id, None)  # started (or refused): its KV now matters
-            if o.finished:
-                self._where.pop(o.request_id, None)
-        for result in report.results:
-            self._finished(result.finished)
-            for st in result.finished:
-                self._rid.pop(st.id, None)
-                self._states.pop(st.id, None)
-            self.core.stepped(i, result, self.now())
         return outputs
 
     def migrate(self, request_id: str, dst: int) -> bool:
