@@ -171,7 +171,8 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
         assert any(r == "error" for r, _ in ends.values())  # the kill did cost something
         # down; on a busy machine its replacement may have loaded and rejoined meanwhile
         assert cluster.failures == 1 and ("down", -1, 1, 1, "actor died") in log.without_time()
-        for _ in range(400):  # the replacement loads and rejoins
+        ray.get(cluster.actors[1].info.remote())  # the replacement loads (slowly, on a busy machine) ...
+        for _ in range(400):  # ... and rejoins once the driver sees it loaded
             cluster.step()
             if not cluster.health_detail:
                 break
