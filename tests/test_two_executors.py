@@ -108,6 +108,11 @@ def guard_model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("guard"))
 
 
+def guard_options(name: str, cost) -> PolicyOptions:
+    return PolicyOptions(num_instances=3 if name.startswith(("pla", "arrow")) else 2, chunk_size=32,
+                         max_num_seqs=4, predictor=cost)
+
+
 @pytest.mark.parametrize("name", list(POLICY_NAMES))
 def test_simulator_and_cluster_decide_the_same_event_by_event(name, guard_model):
     from guard_driver import profile_cost, run_cluster, simulate
@@ -115,8 +120,7 @@ def test_simulator_and_cluster_decide_the_same_event_by_event(name, guard_model)
     model, tok = guard_model
     cost = profile_cost(capacity=GUARD_KV)
     jobs = guard_jobs()
-    opts = PolicyOptions(num_instances=3 if name.startswith(("pla", "arrow")) else 2, chunk_size=32,
-                         max_num_seqs=4, predictor=cost)
+    opts = guard_options(name, cost)
     sim = simulate(name, jobs, cost, opts, GUARD_BLOCK)
     real, tokens = run_cluster(name, jobs, cost, opts, model, tok, GUARD_BLOCK, GUARD_KV)
     assert real.without_time() == sim.without_time()

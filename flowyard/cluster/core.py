@@ -244,6 +244,13 @@ class ClusterCore:
         self.gs.tick(self, now)
         self._log_flips()
 
+    def refused(self, instance: int, st: RequestState, reason: str, now: float) -> None:
+        """An instance refused a request after `arrive` had queued it there (an executor
+        that hears of it later, such as a Ray actor, reports it here): logged as `arrive`
+        logs a refusal it sees at once."""
+        if self.log is not None:
+            self.log.add(now, "reject", st.id, dst=instance, detail=reason or "refused")
+
     def preempted(self, instance: int, now: float, detail: object = "") -> None:
         """A local scheduler suspended its running plan (an executor saw it happen)."""
         if self.log is not None:

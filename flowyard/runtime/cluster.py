@@ -18,13 +18,13 @@ therefore make the same decisions at the same times (tests/test_two_executors.py
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from typing import Callable
 
 from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
+from flowyard.cluster.turns import Turns
 from flowyard.core.kvcache import cdiv
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.engine_config import EngineConfig
@@ -61,9 +61,7 @@ class LocalCluster(ClusterBase):
         self._new: dict[int, TrackedRequest] = {}  # being routed, not yet queued anywhere
         self._kv_home: dict[int, int] = {}  # migrating request (int id) -> instance holding its KV
         self._failed: list[RequestOutput] = []  # ended by the cluster, reported with the next step
-        self._ready: collections.deque[int] = collections.deque()  # engines waiting for the thread
-        self._running: int | None = None
-        self._timers: dict[int, float] = {}  # idle engine -> when its scheduler asked to be woken
+        self.turns = Turns()  # engines waiting for the thread, the one on it, wake-up times
         self.migrations = 0
 
     # -- Transport for the cluster core ---------------------------------------------------------
@@ -125,21 +123,14 @@ class LocalCluster(ClusterBase):
             self.migrations += 1
 
     def _kick(self, i: int) -> None:
-        """Something reached engine i: unless it is running or already queued, it queues for
-        the thread (the simulator's `_kick`)."""
-        if i != self._running and i not in self._ready:
-            self._ready.append(i)
+        self.turns.kick(i)
 
     def wake_due(self, now: float) -> None:
-        """Engines whose scheduler's wake-up time (a batching window closing) has come queue
-        up, earliest first."""
-        for i, t in sorted(self._timers.items(), key=lambda it: (it[1], it[0])):
-            if t <= now:
-                del self._timers[i]
-                self._kick(i)
+        """Engines whose scheduler's wake-up time (a batching window closing) has come queue up."""
+        self.turns.wake_due(now)
 
     def next_wake(self) -> float | None:
-        return min(self._timers.values(), default=None)
+        return self.turns.next_wake()
 
     # -- the engine surface ---------------------------------------------------------------------
     def now(self) -> float:
@@ -148,10 +139,10 @@ class LocalCluster(ClusterBase):
     def wake_delay(self) -> float | None:
         """Seconds until `step` has something to do: 0 while an engine is queued, else the
         next wake-up time or periodic tick, None if only an event can help."""
-        if self._ready:
+        if self.turns.ready:
             return 0.0
         now = self.now()
-        delays = [max(0.0, t - now) for t in self._timers.values()]
+        delays = self.turns.delays(now)
         if (tick := self._tick_delay()) is not None and self.has_unfinished():
             delays.append(tick)
         return min(delays) if delays else None
@@ -227,25 +218,25 @@ class LocalCluster(ClusterBase):
         outputs, self._failed = self._failed, []
         self._periodic(self.has_unfinished())
         self.wake_due(self.now())
+        turns = self.turns
         for e in self.engines:  # a safety net: work that reached an engine some other way
-            if not e.idle and e.instance not in self._ready:
-                self._ready.append(e.instance)
-        while self._ready:
-            i = self._ready.popleft()
+            if not e.idle and e.instance not in turns.ready:
+                turns.ready.append(e.instance)
+        while turns.ready:
+            i = turns.ready.popleft()
             engine = self.engines[i]
-            self._running = i
+            turns.running = i
             start, preempted = self.now(), engine.pool.stats.count
             try:
                 outs = engine.step()
             finally:
-                self._running = None
+                turns.running = None
             if self.timeline is not None and engine.last_plan is not None:
                 self.timeline.step(i, start, self.now(), engine.last_plan,
                                    preempted=engine.pool.stats.count > preempted)
 
             if engine.idle and not engine.results:  # found nothing to run: wait for an event
-                if engine.wake_time is not None:  # ... or its wake-up time
-                    self._timers[i] = engine.wake_time
+                turns.wait(i, engine.wake_time)  # ... or its wake-up time
                 if not outs:
                     continue
             else:

@@ -11,13 +11,17 @@ as it has room.
 
 Snapshots for the global scheduler are the ones each actor returned with its last step, so
 they are at most one step old (the simulator can model the same staleness).
+
+`lockstep=True` (with an optional virtual `clock`) steps one actor at a time in the order of
+the simulator's shared device instead, with fresh snapshots: the deterministic form the
+three-executor guard runs (`flowyard.runtime.ray_lockstep`).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Callable
 
 from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
@@ -32,9 +36,11 @@ from flowyard.policies.registry import Policy
 from flowyard.runtime.base import ClusterBase
 from flowyard.runtime.ray_actor import EngineActor
 from flowyard.runtime.ray_faults import RayFaults
+from flowyard.runtime.ray_lockstep import RayLockstep
+from flowyard.runtime.ray_reports import RayReports
 
 
-class RayCluster(RayFaults, ClusterBase):
+class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
     """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive).
 
     Failures: every actor has a `watch` call outstanding that only returns when the actor
@@ -53,7 +59,13 @@ class RayCluster(RayFaults, ClusterBase):
 
     def __init__(self, model: str | None, policy: Policy, config: EngineConfig = EngineConfig(),
                  address: str | None = None, *, decisions: DecisionLog | None = None,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, lockstep: bool = False,
+                 clock: Callable[[], float] | None = None, actors: list | None = None) -> None:
+        """lockstep: step one actor at a time, in the simulator's order, with fresh snapshots
+        (deterministic; see `flowyard.runtime.ray_lockstep`); clock: seconds since some
+        origin (default the wall clock; the guard injects a virtual one); actors: running
+        actors another cluster gave up (`detach`), which serve this one with the model they
+        have loaded (instance i takes actors[i]; more are started if there are too few)."""
         from flowyard.optional import require
 
         ray = require("ray", "running instances as Ray actors (--ray)")
@@ -62,12 +74,15 @@ class RayCluster(RayFaults, ClusterBase):
         self._ray = ray
         self._init_core(policy, decisions, timeline)
         self.config = config
-        self._t0 = time.monotonic()
+        self._clock = clock or time.monotonic
+        self._t0 = self._clock()
+        self._init_lockstep(lockstep, len(policy.roles))
         self._actor_cls = ray.remote(num_cpus=0)(EngineActor)
         self._model = model
         self._policy_ref = ray.put(policy)  # each actor builds its own local scheduler from it
         self._seq: list[itertools.count] = []
-        self.actors = [self._spawn(i) for i in range(len(policy.roles))]
+        reuse = list(actors or [])
+        self.actors = [self._spawn(i, reuse[i] if i < len(reuse) else None) for i in range(len(policy.roles))]
         infos = ray.get([a.info.remote() for a in self.actors])
         self.model_name = infos[0][0]
         self.max_model_len = min(i[1] for i in infos)
@@ -92,8 +107,11 @@ class RayCluster(RayFaults, ClusterBase):
         self.failures = 0
         self.restarts = 0
 
-    def _spawn(self, i: int):
-        actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0)
+    def _spawn(self, i: int, actor=None):
+        if actor is None:
+            actor = self._actor_cls.remote(self._model, self.config, i, self._policy_ref, self._t0, self.lockstep)
+        else:
+            self._ray.get(actor.reset.remote(self.config, i, self._policy_ref, self._t0, self.lockstep))
         if not hasattr(self, "_watch"):
             self._watch: dict[int, Any] = {}
             # instance -> {call number: request} of adds its last snapshot did not count yet
@@ -108,6 +126,8 @@ class RayCluster(RayFaults, ClusterBase):
 
     def _call(self, i: int, method: str, *args):
         """Call an actor method with its place in this driver's order of calls to that actor."""
+        if method != "snapshot":
+            self._stale.add(i)  # lockstep reads a fresh snapshot after anything else
         return getattr(self.actors[i], method).remote(next(self._seq[i]), *args)
 
     @property
@@ -115,7 +135,7 @@ class RayCluster(RayFaults, ClusterBase):
         return ", ".join(f"instance {i} is down (restarting)" for i in sorted(self._down))
 
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     # -- Transport for the cluster core ---------------------------------------------------------
     def instance_ids(self, role: Role | None = None) -> list[int]:
@@ -123,14 +143,21 @@ class RayCluster(RayFaults, ClusterBase):
                 if (role is None or r is role) and i not in self._down]
 
     def snapshot(self, instance: int) -> InstanceSnapshot:
+        if self.lockstep and instance in self._stale:
+            self._snaps[instance] = self._ray.get(self._call(instance, "snapshot"))
+            self._stale.discard(instance)
         return self._snaps[instance]
 
     def add(self, instance: int, st: RequestState, now: float) -> bool:
-        """Refusals come back with the actor's next step (the driver never waits on it)."""
+        """Refusals come back with the actor's next step (the driver never waits on it), in
+        lockstep at once."""
         if instance in self._down:  # a policy that kept its own view of the instances
             st.reject_reason = f"instance {instance} is down (restarting); retry"
             return False
+        if self.lockstep:
+            return self._lockstep_add(instance, st, now)
         seq = next(self._seq[instance])
+        self._stale.add(instance)  # as _call does
         self.actors[instance].add_request.remote(seq, self._rid[st.id], st, self._new[st.id])
         self._unapplied[instance][seq] = st.req
         self._mark_busy(instance)
@@ -151,10 +178,15 @@ class RayCluster(RayFaults, ClusterBase):
         if dst in self._down:  # nowhere to go: fail it now rather than leave it waiting
             self.fail(src, st, f"instance {dst}, where the request was to continue, is down; retry")
             return
-        self._call(dst, "put", rid, [self._call(src, "take", st.id, fields)])
+        # src keeps the KV until dst has imported it (dst's report says so: `_released`)
+        self._call(dst, "put", rid, [self._call(src, "take", st.id, fields, src != dst)])
+        if src != dst:
+            self._kv_home[st.id] = src
         self._where[rid] = dst
         self._mark_busy(dst)
         self.migrations += 1
+        if self.lockstep:
+            self._lockstep_admit(dst)
 
     def fail(self, instance: int, st: RequestState, reason: str) -> None:
         rid = self._rid[st.id]
@@ -206,6 +238,7 @@ class RayCluster(RayFaults, ClusterBase):
         self._inputs.pop(request_id, None)
         for k in [k for k, v in self._rid.items() if v == request_id]:
             self._ended(k, "aborted")
+            self._released([(k, where)])  # still moving: its source frees the KV it kept
         self._call(where, "abort", request_id)
         return RequestOutput(request_id, finished=True, finish_reason="abort")
 
@@ -242,6 +275,8 @@ class RayCluster(RayFaults, ClusterBase):
         they reach a running prefill at its next operator boundary (FlowPrefill)."""
         self._check_restarts()
         self._check_deaths()
+        if self.lockstep:
+            return self._lockstep_step()
         self._periodic(self.has_unfinished())
         outputs, self._failed = self._failed, []
         for i, busy in enumerate(self._busy):
@@ -258,36 +293,12 @@ class RayCluster(RayFaults, ClusterBase):
             i = by_ref[ref]
             del self._inflight[i]
             try:
-                outs, results, snap, still_busy, self._preemption[i], trace, counters = self._ray.get(ref)
+                report = self._ray.get(ref)
             except self._ray.exceptions.RayActorError:
                 if i not in self._down:
                     outputs += self._instance_died(i)
                 continue
-            # Work sent while this step ran is not in its report: stay busy for it, and count the
-            # adds the actor had not taken in yet (else a burst that arrives during one step
-            # would vanish from the queue the policy and the --max-waiting bound read).
-            self._prefix[i] = counters.prefix_queries, counters.prefix_hits
-            self._unapplied[i] = {s: r for s, r in self._unapplied[i].items() if s > counters.adds_applied}
-            for req in self._unapplied[i].values():
-                snap.count_in(req)
-            self._snaps[i], self._busy[i] = snap, still_busy or i in self._sent_during_step
-            self._sent_during_step.discard(i)
-            for rid, src, dst, start, end in trace[1]:
-                self._transferred(start, rid, src, dst, end - start)
-            if self.timeline is not None:
-                self.timeline.steps += trace[0]
-                self.timeline.transfers += trace[1]
-            outputs += outs
-            for o in outs:
-                self._inputs.pop(o.request_id, None)  # started (or refused): its KV now matters
-                if o.finished:
-                    self._where.pop(o.request_id, None)
-            for result in results:
-                self._finished(result.finished)
-                for st in result.finished:
-                    self._rid.pop(st.id, None)
-                    self._states.pop(st.id, None)
-                self.core.stepped(i, result, self.now())
+            outputs += self._apply(i, report)
         return outputs
 
     def migrate(self, request_id: str, dst: int) -> bool:
@@ -302,9 +313,16 @@ class RayCluster(RayFaults, ClusterBase):
 
     def _mark_busy(self, i: int) -> None:
         self._busy[i] = True
+        self._idle[i] = False
         if i in self._inflight:
             self._sent_during_step.add(i)
 
     def shutdown(self) -> None:
         for a in self.actors:
             self._ray.kill(a)
+
+    def detach(self) -> list:
+        """Give up the actors without stopping them, for another `RayCluster(actors=...)`:
+        it reuses the processes and the model they have loaded."""
+        actors, self.actors = self.actors, []
+        return actors

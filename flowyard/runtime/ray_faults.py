@@ -40,8 +40,13 @@ class RayFaults:
         q, h = self._prefix.pop(i, (0, 0))  # keep what it counted: its replacement starts at 0
         self._prefix_retired = (self._prefix_retired[0] + q, self._prefix_retired[1] + h)
         outputs = []
+        self.turns.ready = type(self.turns.ready)(j for j in self.turns.ready if j != i)
+        self.turns.timers.pop(i, None)
+        for k in [k for k, home in self._kv_home.items() if home == i]:
+            del self._kv_home[k]  # its KV is gone with it: the destination's import fails clearly
         for rid in [r for r, where in self._where.items() if where == i]:
             del self._where[rid]
+            self._released([(k, i) for k, v in self._rid.items() if v == rid])  # a source kept its KV
             inputs = self._inputs.pop(rid, None)
             if inputs is not None and self.instance_ids():
                 prompt, params, slo, arrival, session, task, priority = inputs

@@ -1,0 +1,54 @@
+"""One scheduler, three executors: the guard of tests/test_two_executors.py with a third leg,
+a `RayCluster` in lockstep (one actor process per instance, stepped one at a time by the
+driver on the same virtual clock, every step priced by the same cost model). For every
+registry policy the simulator's, `LocalCluster`'s and the Ray cluster's decision logs agree
+event by event, preemptions and refusals included, and the two real clusters produce the
+same tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers_models import make_tiny_model
+from test_two_executors import GUARD_BLOCK, GUARD_KV, GUARD_SHOWS, guard_jobs, guard_options
+from flowyard.policies.registry import POLICY_NAMES
+
+try:
+    import ray
+except ImportError:  # the guard's Ray leg needs the `ray` extra
+    ray = None
+
+pytestmark = pytest.mark.skipif(ray is None, reason="ray is not installed (pip install 'flowyard[ray]')")
+
+
+@pytest.fixture(scope="module")
+def ray_model(tmp_path_factory):
+    """One Ray session, one tiny checkpoint and one set of actors for the whole module: each
+    policy's cluster adopts the actors the last one gave up (`RayCluster(actors=...)`)."""
+    pytest.importorskip("transformers")
+    d, _ = make_tiny_model(tmp_path_factory.mktemp("guard3"), "llama")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    actors: list = []
+    yield str(d), actors
+    for a in actors:
+        ray.kill(a)
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("name", list(POLICY_NAMES))
+def test_simulator_local_and_ray_clusters_decide_the_same_event_by_event(name, ray_model):
+    from guard_driver import load_dir, profile_cost, run_cluster, run_ray_cluster, simulate
+
+    model_dir, actors = ray_model
+    cost = profile_cost(capacity=GUARD_KV)
+    jobs = guard_jobs()
+    opts = guard_options(name, cost)
+    sim = simulate(name, jobs, cost, opts, GUARD_BLOCK)
+    local, local_tokens = run_cluster(name, jobs, cost, opts, *load_dir(model_dir), GUARD_BLOCK, GUARD_KV)
+    real, tokens = run_ray_cluster(name, jobs, cost, opts, model_dir, GUARD_BLOCK, GUARD_KV, actors)
+    assert local.without_time() == sim.without_time()
+    assert real.without_time() == sim.without_time()
+    assert [d.t for d in real.decisions] == pytest.approx([d.t for d in sim.decisions], abs=1e-9)
+    assert GUARD_SHOWS.get(name, set()) <= real.kinds()  # the policy's own mechanisms were at work
+    assert tokens == local_tokens
+    assert all(len(tokens[f"r{i}"]) == j.max_tokens for i, j in enumerate(jobs))
