@@ -15,4 +15,7 @@ fi
 "$BIN/ruff" check --quiet flowyard tests benchmarks   # pyproject.toml [tool.ruff.lint]
 "$BIN/mypy" --no-error-summary flowyard   # pyproject.toml [tool.mypy]; silent when clean, fails on an error
 NO_MKDOCS_2_WARNING=1 "$BIN/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
-"$PY" -m pytest "$@"
+# Two workers by default (CI has 2 cores; many tests wait on servers, actors and subprocesses),
+# one test file per worker so module fixtures (a Ray session, a loaded model) are set up once.
+# PYTEST_WORKERS=0 runs everything in this process.
+"$PY" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
