@@ -76,3 +76,16 @@ def test_long_timelines_grow_and_compact_like_the_reference(cost):
         same(fast.commit(seg, now), ref.commit(seg, now))
         check_queries(fast, ref, now)
     assert fast.M.shape[1] > 256  # the buffers grew
+
+
+@pytest.mark.parametrize("cost", sorted(COSTS))
+def test_probing_an_empty_segment_reads_the_timelines_last_pass(cost):
+    """Found by hypothesis in CI: a probe with neither prefill nor decode read the spare
+    column past the timeline (M[:, -1], 0.0) instead of its last pass, as the reference does."""
+    args = (COSTS[cost], 64, 2, 32)
+    fast, ref = VirtualBatch(*args), Reference(*args)
+    for seg in (Segment(0, 0, 0, 0.0), Segment(0, 0, 0, 0.0), Segment(0, 1, 0, 0.0)):
+        same(fast.commit(seg, 0.0), ref.commit(seg, 0.0))
+    empty = Segment(0, 0, 0, 0.0)
+    same(fast.probe(empty, 0.0), ref.probe(empty, 0.0))
+    assert fast.probe(empty, 0.0).seg_end > 0

@@ -221,6 +221,8 @@ class VirtualBatch(PassTimeline):
                     + self.solo_decode(rem_d, seg.history + seg.prefill + 1 + (seg.decode - rem_d)))
             return Estimate(last_end + tail, last_end + tail)
         k = pl.a + pl.m - 1 if pl.m else pl.kp
+        if k < 0:  # an empty segment (no prefill, no decode): the timeline's last pass, as
+            k = n - 1  # the reference's end[-1]; M has spare columns past n, so never M[:, -1]
         return Estimate(float(self.M[END, k]) + pl.delta, last_end)
 
     def probe(self, seg: Segment, now: float) -> Estimate:
