@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_ray import ray_session_with_actors
 from flowyard.cluster.core import DecisionLog
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.sampling import SamplingParams
@@ -19,15 +19,7 @@ CONFIG = EngineConfig(dtype="float32", kv_cache_tokens=512, block_size=8)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A tiny checkpoint, one Ray session and actors every test's cluster adopts in turn."""
-    pytest.importorskip("transformers")
-    d, _ = make_tiny_model(tmp_path_factory.mktemp("raydec"), "llama")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actors: list = []
-    yield str(d), actors
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    yield from ray_session_with_actors(tmp_path_factory, "raydec")
 
 
 def cluster(model, name: str, **kw):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_models import make_tiny_model
+from helpers_ray import ray_session_with_actors
 from test_two_executors import GUARD_BLOCK, GUARD_KV, GUARD_SHOWS, guard_jobs, guard_options
 from flowyard.policies.registry import POLICY_NAMES
 
@@ -23,16 +23,7 @@ pytestmark = pytest.mark.skipif(ray is None, reason="ray is not installed (pip i
 
 @pytest.fixture(scope="module")
 def ray_model(tmp_path_factory):
-    """One Ray session, one tiny checkpoint and one set of actors for the whole module: each
-    policy's cluster adopts the actors the last one gave up (`RayCluster(actors=...)`)."""
-    pytest.importorskip("transformers")
-    d, _ = make_tiny_model(tmp_path_factory.mktemp("guard3"), "llama")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actors: list = []
-    yield str(d), actors
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    yield from ray_session_with_actors(tmp_path_factory, "guard3")
 
 
 @pytest.mark.parametrize("name", list(POLICY_NAMES))
