@@ -9,10 +9,10 @@ import pytest
 from helpers_models import load_model, make_tiny_model
 from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
-from flowyard.core.request import SLO
+from flowyard.core.request import SLO, RequestState
 from flowyard.costmodel import make_cost_model
 from flowyard.engine.engine_config import EngineConfig
-from flowyard.engine.llm_engine import LLMEngine
+from flowyard.engine.llm_engine import LLMEngine, new_request
 from flowyard.engine.sampling import SamplingParams
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy
 
@@ -127,11 +127,12 @@ def test_flowprefill_preempts_a_running_prefill_inside_an_actor(ray_session):
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("name", ["distserve", "arrow", "dynaserve"])
-def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_session):
+@pytest.mark.parametrize("name,kill_after", [("distserve", 18), ("arrow", 18), ("dynaserve", 18), ("distserve", 1)])
+def test_an_actor_killed_mid_run_loses_no_request_silently(name, kill_after, tiny, ray_session):
     """Instance 1 dies while requests run: each ends with one engine's tokens or with an
     error that says what happened, the driver keeps serving, the replacement rejoins, and
-    no KV block stays held anywhere after the drain."""
+    no KV block stays held anywhere after the drain (kill_after 1: right after the first
+    hand-off, which can make a release overtake its take; see the next test)."""
     import time
 
     from flowyard.runtime.ray_cluster import RayCluster
@@ -149,7 +150,7 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
         for i, p in enumerate(PROMPTS):
             cluster.add_request(f"r{i}", p, long)
             got[f"r{i}"] = []
-        while sum(map(len, got.values())) < 3 * len(PROMPTS):  # everything is under way
+        while sum(map(len, got.values())) < kill_after:
             for o in cluster.step():
                 got[o.request_id] += o.new_token_ids
         ray.kill(cluster.actors[1], no_restart=True)
@@ -184,3 +185,26 @@ def test_an_actor_killed_mid_run_loses_no_request_silently(name, tiny, ray_sessi
     finally:
         cluster.shutdown()
 
+
+
+def test_a_release_that_overtakes_its_take_frees_the_kv(tiny, ray_session):
+    """The driver releases a moved request's KV at once when its destination dies; that
+    command reaches the source's inbox while the `take` waits for the worker, and the take's
+    drain applies it first. The take must then free the KV, not keep it for a release that
+    has already come (a clean-clone CI run found the leak)."""
+    import asyncio
+
+    from flowyard.runtime.ray_actor import EngineActor
+
+    d, _ = tiny
+    policy = build_policy("distserve", PolicyOptions(num_instances=2, chunk_size=32, max_num_seqs=8))
+    actor = EngineActor(d, CONFIG, 0, policy, 0.0)
+    seq = iter(range(1000))
+    asyncio.run(actor.add_request(next(seq), "r0", RequestState(new_request(0, 0.0, PROMPTS[0], GREEDY, None, 4096)), GREEDY))
+    handed = []
+    while not handed:  # a prefill instance hands the request off once its prompt is done
+        handed = [s for r in asyncio.run(actor.step(next(seq))).results for s in r.handoffs]
+    actor.inbox.append(("release", 0))  # arrived while the take waited for the worker
+    assert actor._take(0, {}, True, 16) is not None
+    snap = asyncio.run(actor.snapshot(next(seq)))
+    assert snap.kv_free_blocks == snap.kv_total_blocks and not actor.held

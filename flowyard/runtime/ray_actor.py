@@ -62,6 +62,7 @@ class EngineActor(LockstepActor):
         self.trace = Timeline()  # steps and KV imports since the last report
         self._src: dict[int, int] = {}  # migrating request -> the instance its KV comes from
         self.held: set[int] = set()  # requests taken from here whose KV stays until the driver releases it
+        self.released_early: set[int] = set()  # released before their `take` ran (see _apply_release)
         self.events: list[tuple] = []  # for the driver's decision log (see StepReport)
         self.admitted: list[tuple[int, int]] = []
         self._next = 0  # number of the driver's next call
@@ -205,9 +206,15 @@ class EngineActor(LockstepActor):
             self.events.append(("preempt", e.now(), e.pool.ops))
 
     def _apply_release(self, req_id: int) -> None:
+        """A release can overtake its `take`: commands reach the inbox as soon as their turn
+        comes, while a take waits for the worker, and the take's own drain applies what came
+        meanwhile (the driver releases at once when the destination dies right after a move).
+        Then the take must not keep the KV it is told, before it runs, to free."""
         if req_id in self.held:
             self.held.discard(req_id)
             self.engine.scheduler.release(req_id)
+        elif self.engine.holds(req_id):
+            self.released_early.add(req_id)
 
     def _apply_abort(self, rid: str) -> None:
         t = self.engine.tracked(rid)
@@ -281,9 +288,11 @@ class EngineActor(LockstepActor):
             setattr(st, k, v)
         table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
         kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
-        if keep:  # the Transport contract: the source frees it once the destination admits it
+        # the Transport contract: the source frees the KV once the destination admits it
+        if keep and st.id not in self.released_early:
             self.held.add(st.id)
         else:
+            self.released_early.discard(st.id)
             e.scheduler.release(st.id)
         record = {"request_id": t.request_id, "state": st, "params": t.params, "text": t.text, "src": e.instance,
                   "emitted": t.emitted, "emitted_tokens": t.emitted_tokens,
