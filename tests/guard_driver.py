@@ -60,13 +60,18 @@ class Job:
     slo: object
 
 
-def simulate(name: str, jobs: list[Job], cost, opts: PolicyOptions, block: int, timeline=None) -> DecisionLog:
+def simulate(name: str, jobs: list[Job], cost, opts: PolicyOptions, block: int, timeline=None,
+             ran: list | None = None) -> DecisionLog:
+    """The workload through the simulator (ran: gets the `Simulator`, to read its instances)."""
     log = timeline.log if timeline is not None else DecisionLog()
     reqs = [Request(i, j.arrival, prompt_len=len(j.prompt), max_tokens=j.max_tokens, slo=j.slo)
             for i, j in enumerate(jobs)]
     n = opts.num_instances
-    Simulator(reqs, build_policy(name, opts), cost, Topology(n, ZeroLink(), ZeroLink()), block_size=block,
-              shared_device=True, decisions=log, timeline=timeline).run()
+    sim = Simulator(reqs, build_policy(name, opts), cost, Topology(n, ZeroLink(), ZeroLink()), block_size=block,
+                    shared_device=True, decisions=log, timeline=timeline)
+    sim.run()
+    if ran is not None:
+        ran.append(sim)
     return log
 
 

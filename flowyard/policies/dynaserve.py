@@ -56,13 +56,17 @@ class DynaServeConfig:
     length_prior: float = 256.0
     length_error: float = 1.0
     length_sigma: float = 0.0
+    # a micro-request's second segment that finds no KV on its destination this long is
+    # recomputed there instead (the pair's deadlock breaker; dynaserve_local.LocalConfig)
+    migration_patience_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_probes < 1 or self.tolerance_s < 0 or not self.tbt_slo > 0:
             raise ValueError("max_probes >= 1, tolerance_s >= 0 and tbt_slo > 0 required")
 
     def local(self) -> LocalConfig:
-        return LocalConfig(tbt_slo=self.tbt_slo, headroom=self.step_headroom, chunk_cap=self.chunk_cap)
+        return LocalConfig(tbt_slo=self.tbt_slo, headroom=self.step_headroom, chunk_cap=self.chunk_cap,
+                           migration_patience_s=self.migration_patience_s)
 
 
 @dataclass(slots=True)
