@@ -118,6 +118,49 @@ def test_real_engine_sleeps_until_the_window_closes_instead_of_spinning(tmp_path
     assert calls["n"] < 20  # woke at the window's end, not polled in a loop
 
 
+def test_ray_actor_is_stepped_when_the_window_closes_not_polled(tmp_path):
+    """Asynchronous Ray honours a scheduler's wake-up time as the simulator does: the actor
+    whose window is open is stepped again when it closes (or at an event), not re-stepped in
+    a loop by the driver while nothing can run."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("transformers")
+    import sys
+
+    from ray import cloudpickle
+
+    from helpers_models import make_tiny_model
+    from flowyard.engine.engine_config import EngineConfig
+    from flowyard.engine.sampling import SamplingParams
+    from flowyard.runtime.ray_cluster import RayCluster
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors unpickle the policy
+    d, _ = make_tiny_model(tmp_path, "llama")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster = RayCluster(str(d), policy(), EngineConfig(dtype="float32", kv_cache_tokens=1024))
+        steps = {"n": 0}
+        call = cluster._call
+
+        def counting(i, method, *args):
+            steps["n"] += method == "step"
+            return call(i, method, *args)
+
+        cluster._call = counting
+        cluster.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0), SLO(ttft=5.0))
+        first, tokens = None, 0
+        while cluster.has_unfinished():
+            for o in cluster.step():
+                tokens += len(o.new_token_ids)
+                if o.new_token_ids and first is None:
+                    first = cluster.now()
+        assert tokens == 2 and first is not None and first >= WINDOW - 0.02
+        assert steps["n"] < 12  # the window's first look, its end, two tokens: not a poll loop
+        cluster.shutdown()
+    finally:
+        ray.shutdown()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
 class MoveEveryOther(RoundRobin):
     """A global scheduler that decides decodes after prefill (Arrow's seam): odd ids move."""
 

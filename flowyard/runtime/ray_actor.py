@@ -157,7 +157,7 @@ class EngineActor(LockstepActor):
         if e.last_plan is not None:  # for the driver's timeline, in the cluster's clock
             self.trace.step(e.instance, start, e.now(), e.last_plan, preempted=e.pool.stats.count > preempted)
         results, e.results = e.results, []
-        idle = e.idle and not results
+        idle = e.idle and not results and not self.arriving and not self.inbox
         if admit:
             self._admit()
         return self._report(outputs, results, idle)
@@ -174,8 +174,10 @@ class EngineActor(LockstepActor):
         # the driver which of its adds this snapshot already counts (the rest reached the inbox
         # during the step, or are still on their way), so it counts those in itself.
         counters = StepCounters(getattr(e.kv, "queries", 0), getattr(e.kv, "hits", 0), self._applied)
+        wake = e.wake_time if idle else None
         return StepReport(outputs, results, e.scheduler.snapshot(), busy, e.preemption_stats, trace.steps,
-                          trace.transfers, events, admitted, idle, e.wake_time if idle else None, counters)
+                          trace.transfers, events, admitted, idle, wake, counters,
+                          None if wake is None else max(0.0, wake - e.now()))
 
     def _at_boundary(self) -> None:
         self._drain(only_adds=True)

@@ -91,6 +91,7 @@ class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
         self.tokenizer = ray.get(self.actors[0].tokenizer.remote())
         self._snaps = ray.get([self._call(i, "snapshot") for i in range(len(self.actors))])
         self._busy = [False] * len(self.actors)
+        self._wake_at: list[float | None] = [None] * len(self.actors)  # asynchronous: step again then
         self._ids = itertools.count()
         self._rid: dict[int, str] = {}  # int id -> request id, while the request lives
         self._states: dict[int, RequestState] = {}  # the driver's copy, for spans of abnormal ends
@@ -279,10 +280,14 @@ class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
             return self._lockstep_step()
         self._periodic(self.has_unfinished())
         outputs, self._failed = self._failed, []
+        now = self.now()
         for i, busy in enumerate(self._busy):
-            if busy and i not in self._down and i not in self._inflight:
+            wake = self._wake_at[i]
+            if busy and i not in self._down and i not in self._inflight and (wake is None or wake <= now):
+                self._wake_at[i] = None
                 self._inflight[i] = self._call(i, "step")
         if not self._inflight:
+            self._sleep_until_a_wake(now, timeout)
             return outputs
         refs = list(self._inflight.values())
         ready, rest = self._ray.wait(refs, num_returns=1, timeout=timeout)
@@ -301,6 +306,14 @@ class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
             outputs += self._apply(i, report)
         return outputs
 
+    def _sleep_until_a_wake(self, now: float, timeout: float | None) -> None:
+        """Nothing runs and every instance with work waits for its wake-up time: sleep until
+        the first (at most `timeout`), so neither the actors nor this loop spin meanwhile."""
+        wakes = [w for i, w in enumerate(self._wake_at) if w is not None and self._busy[i] and i not in self._down]
+        if wakes:
+            pause = min(wakes) - now
+            time.sleep(max(0.0, pause if timeout is None else min(pause, timeout)))
+
     def migrate(self, request_id: str, dst: int) -> bool:
         """Move a running request to instance `dst` at whatever token it has reached; it
         continues there without recomputation. False if it is not running anywhere (yet)."""
@@ -313,6 +326,7 @@ class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
 
     def _mark_busy(self, i: int) -> None:
         self._busy[i] = True
+        self._wake_at[i] = None  # an event: step at once, as after a wake-up
         self._idle[i] = False
         if i in self._inflight:
             self._sent_during_step.add(i)

@@ -27,6 +27,7 @@ class RayFaults:
     _watch: dict[int, Any]
     _prefix: dict[int, tuple[int, int]]
     _prefix_retired: tuple[int, int]
+    _wake_at: list[float | None]
 
     def _instance_died(self, i: int) -> list[RequestOutput]:
         """Re-dispatch what had not started there; fail, with a retryable error, what had (its
@@ -36,6 +37,7 @@ class RayFaults:
         self._sent_during_step.discard(i)
         self._down[i] = None
         self._busy[i] = False
+        self._wake_at[i] = None
         self._event("down", i, "actor died")
         q, h = self._prefix.pop(i, (0, 0))  # keep what it counted: its replacement starts at 0
         self._prefix_retired = (self._prefix_retired[0] + q, self._prefix_retired[1] + h)

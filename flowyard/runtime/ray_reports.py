@@ -31,7 +31,8 @@ class StepReport:
     request this instance refused, ("preempt", t, operators done) for an arrival that signalled
     the running prefill to stop; admitted: (request, source instance) for each moved request
     whose KV this instance imported, so the driver tells the source to release it; idle: the
-    step found nothing to run (wake: when its scheduler asked to be called again)."""
+    step found nothing to run (wake: when its scheduler asked to be called again; wake_in: how
+    long from the end of this step, so an asynchronous driver on another clock can wait it out)."""
 
     outputs: list[RequestOutput]
     results: list[StepResult]
@@ -45,6 +46,7 @@ class StepReport:
     idle: bool = False
     wake: float | None = None
     counters: StepCounters | None = None  # prefix cache and adds taken in (EngineActor._report)
+    wake_in: float | None = None
 
 
 def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, fetch) -> int:
@@ -69,6 +71,7 @@ class RayReports:
 
     _ray: Any
     _busy: list[bool]
+    _wake_at: list[float | None]
 
     def _apply(self, i: int, report: StepReport) -> list[RequestOutput]:
         """What one actor step produced: its outputs, the decisions it took (logged), the KV
@@ -83,6 +86,10 @@ class RayReports:
             for req in self._unapplied[i].values():
                 snap.count_in(req)
         self._snaps[i], self._busy[i] = snap, report.busy or i in self._sent_during_step
+        # A scheduler that found nothing to run and named a time (a batching window) is stepped
+        # again then, or at the next event (`_mark_busy`), as in the simulator: not polled.
+        later = report.idle and report.wake_in is not None and i not in self._sent_during_step
+        self._wake_at[i] = self.now() + report.wake_in if later else None  # type: ignore[attr-defined,operator]
         self._preemption[i] = report.preemption
         self._sent_during_step.discard(i)
         for rid, src, dst, start, end in report.transfers:
