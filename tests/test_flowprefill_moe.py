@@ -38,8 +38,8 @@ def test_unknown_settings_are_a_clear_error():
         run_moe(dataclasses.replace(QUICK, moe="huge"), 0, Tally(), None)
 
 
-def _moe(goodput_ratio: float, slo_ratio: float) -> MoEResult:
-    names = ("FlowPrefill", "DistServe-CP2K", "DistServe-CP8K")
+def _moe(goodput_ratio: float, slo_ratio: float, edf: bool = False) -> MoEResult:
+    names = ("FlowPrefill", "DistServe-CP2K", "DistServe-CP8K") + (("CP2K, EDF per chunk",) if edf else ())
     gp = {n: Threshold(2.0 * (goodput_ratio if n == "FlowPrefill" else 1.0), curve=[(1.0, 0.95), (4.0, 0.5)])
           for n in names}
     ms = {n: Threshold(0.5 * (1.0 if n == "FlowPrefill" else slo_ratio), curve=[(0.5, 0.9), (1.0, 0.95)])
@@ -57,8 +57,14 @@ def test_verdicts_follow_the_measured_ratios(tmp_path, g, s, goodput_verdict, sl
     rep = Report(tmp_path, "flowprefill")
     moe_section(_moe(g, s), rep)
     rows = verdict_rows("\n\n".join(rep.parts))
-    got = {k.split(":")[1].split()[0]: v for k, v in rows.items()}
+    got = {k.split(":")[1].split()[0]: v for k, v in rows.items() if "EDF" not in k}
     assert got["goodput"].startswith(goodput_verdict) and got["tighter"].startswith(slo_verdict)
+    assert len(rows) == 2  # the EDF-per-chunk reading only when it ran
     assert (tmp_path / "flowprefill" / "fig17_qwen3-30b-a3b.png").stat().st_size > 10_000
+    with_edf = _moe(g, s, edf=True)
+    rep = Report(tmp_path / "edf", "flowprefill")
+    moe_section(with_edf, rep)
+    edf_rows = {k: v for k, v in verdict_rows("\n\n".join(rep.parts)).items() if "EDF per chunk" in k}
+    assert len(edf_rows) == 2 and all(v.startswith(("reproduced", "not reproduced")) for v in edf_rows.values())
     data = moe_json(_moe(g, s))
     assert data is not None and data["ratios"]["DistServe-CP2K"]["goodput"] == pytest.approx(g)
