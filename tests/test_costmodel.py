@@ -29,7 +29,7 @@ def h100() -> RooflineCostModel:
 # -- catalogs --------------------------------------------------------------------------------
 def test_catalog_names_match_design():
     assert set(MODEL_NAMES) == {"llama-3-8b", "llama-3.1-8b", "llama-3-70b", "qwen2.5-7b",
-                                "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "smollm2-135m"}
+                                "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-30b-a3b", "smollm2-135m"}
     assert set(HARDWARE_NAMES) == {"a100-40g", "a100-80g", "a800", "h100", "h800", "h200", "cpu"}
     assert get_model("LLaMA-3-8B").name == "llama-3-8b"
     assert get_hardware(" H100 ").name == "h100"

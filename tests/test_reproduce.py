@@ -24,13 +24,16 @@ def test_quick_run_writes_markdown_and_figures(quick_report):
     figs = quick_report / "flowprefill"
     pngs = sorted(p.name for p in figs.glob("*.png"))
     assert pngs == ["fig10_priority.png", "fig11_budget.png", "fig12_blocking.png", "fig15_chunk.png",
-                    "fig9_llama-3-8b.png"]
+                    "fig17_qwen3-30b-a3b.png", "fig9_llama-3-8b.png"]
     for name in pngs:
         data = (figs / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
         assert f"(flowprefill/{name})" in md  # linked from the report
     data = json.loads((figs / "results.json").read_text())
     assert data["e2e"][0]["model"] == "llama-3-8b" and data["e2e"][0]["goodput"]["FlowPrefill"]["curve"]
+    moe = data["fig17"]  # Fig. 17, the MoE model
+    assert moe["model"] == "qwen3-30b-a3b" and moe["tp"] == 2 and moe["goodput"]["DistServe-CP2K"]["curve"]
+    assert "## Mixture of experts: Qwen3-30B-A3B (Fig. 17)" in md and "| Fig. 17: goodput vs DistServe-CP2K |" in md
 
 
 def test_report_has_tables_paper_numbers_and_provenance(quick_report):

@@ -20,7 +20,9 @@ rows, vocab-parallel embedding and lm_head), with T = prefill_tokens + decode_se
              step_overhead_s + (seq_overhead_s + seq_overhead_layer_s * layers) * sequences.
 
 KV heads are split across the TP group while kv_heads >= tp and replicated (one per GPU)
-beyond that, as vLLM does. The total is computed directly in `step_time` (no dicts) because
+beyond that, as vLLM does. A mixture-of-experts model keeps qkv_proj, attn and o_proj; its
+gate_up_proj is the router plus the experts' gate+up and its down_proj the experts' down,
+priced by `moe.ExpertFFN` (compute by active experts, weights by distinct experts touched). The total is computed directly in `step_time` (no dicts) because
 the simulator calls it ~1e5 times per run; `layer_op_times` gives the same numbers per op.
 """
 
@@ -32,6 +34,7 @@ from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel, Seconds
 from flowyard.costmodel.hardware import HardwareSpec, get_hardware
 from flowyard.costmodel.models import ModelSpec, get_model
+from flowyard.costmodel.moe import ExpertFFN
 
 _LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -79,6 +82,14 @@ class RooflineCostModel(CostModel):
             ew = self.elementwise[op]
             self._lin[op] = (2 * k * n / flops, k * n * b / bw, (k + n) * b / bw,
                              sum(r for _, r in ew) / elem, p.gemm_fixed_s + len(ew) * p.launch_s)
+        # MoE: gemms hold ONE expert's shapes; the FFN's GEMMs are priced by `self._moe` and
+        # the dense entries keep only its element-wise kernels and fixed times.
+        self._moe = mo = ExpertFFN.build(m, hw, tp, b) if m.is_moe else None
+        if mo is not None:
+            self.gemms["gate_up_proj"], self.gemms["down_proj"] = (h, 2 * m.expert_intermediate / tp), \
+                (m.expert_intermediate / tp, h)
+            self._lin["gate_up_proj"] = (0.0, 0.0, 0.0, mo.gate_up_elem, mo.gate_up_fixed)
+            self._lin["down_proj"] = (0.0, 0.0, 0.0, mo.down_elem, mo.down_fixed)
         self._a = tuple(self._lin[op][0] for op in _LINEAR)
         self._w = tuple(self._lin[op][1] for op in _LINEAR)
         self._b = tuple(self._lin[op][2] for op in _LINEAR)
@@ -124,13 +135,19 @@ class RooflineCostModel(CostModel):
         self._graph_c = p.graph_saving * (m.layers * elem_launch + self._ovh_c)
         self._graph_seq = p.graph_saving * self._ovh_seq
         # Memory: weights held per GPU (K/V projections replicate with the KV heads).
-        self.weight_bytes_per_gpu = int(b * (m.layers * sum(k * n for k, n in self.gemms.values())
+        # An MoE model holds every expert (and its router) on every GPU of the group.
+        layer_w = (sum(k * n for k, n in self.gemms.values()) if mo is None else
+                   sum(k * n for op, (k, n) in self.gemms.items() if op in ("qkv_proj", "o_proj"))
+                   + mo.weight_params)
+        self.weight_bytes_per_gpu = int(b * (m.layers * layer_w
                                              + m.vocab * h / tp * (1 if m.tied_embeddings else 2)))
         if activation_reserve_bytes is None:
             # The runtime's own memory plus the activations of an 8192-token batch (vLLM's
-            # default max_num_batched_tokens, which it profiles at start-up).
+            # default max_num_batched_tokens, which it profiles at start-up); an MoE token
+            # has k routed rows of the experts' width.
+            ffn = 2 * inter if mo is None else 2 * mo.active * m.expert_intermediate / tp + m.experts
             activation_reserve_bytes = hw.runtime_reserve_bytes + 8192 * (
-                self.gemms["qkv_proj"][1] + 2 * inter + 4 * h) * b
+                self.gemms["qkv_proj"][1] + ffn + 4 * h) * b
         self.activation_reserve_bytes = activation_reserve_bytes
 
     # -- the hot path -----------------------------------------------------------------------
@@ -164,6 +181,8 @@ class RooflineCostModel(CostModel):
             a, w, bb = self._a, self._w, self._b
             layer = (_max(a[0] * T, w[0] + bb[0] * T) + _max(a[1] * T, w[1] + bb[1] * T)
                      + _max(a[2] * T, w[2] + bb[2] * T) + _max(a[3] * T, w[3] + bb[3] * T))
+        if self._moe is not None:  # dense terms 2, 3 above are 0: the FFN is the experts'
+            layer = layer + self._moe.time(T)
         if self._causal:
             pa = self._pairs(shape)
         layer = layer + _mx(self._pf * (pa + self._tile * pt), self._pkv * pk + self._pqo * pt)
@@ -203,6 +222,10 @@ class RooflineCostModel(CostModel):
             else:
                 a, w, b, e, c = self._lin[op]
                 out[op] = mx(a * T, w + b * T) + e * T + c
+        if self._moe is not None:
+            gu, dn = self._moe.op_times(T)
+            out["gate_up_proj"] = out["gate_up_proj"] + gu
+            out["down_proj"] = out["down_proj"] + dn
         out["allreduce"] = self._ar_row * T + self._ar_c
         return {k: _scalar(v) for k, v in out.items()}
 
@@ -259,7 +282,20 @@ class RooflineCostModel(CostModel):
                     + self._pkv * shape.prefill_kv + self._pqo * pt
                     + self._dkv * dc + self._dqo * ds)
                + emb_row * T + self._lm_w + self._lm_b * rows + self._lm_norm * T)
+        if self._moe is not None:
+            c_moe, m_moe = self._moe.compute_memory(T)
+            comp, mem = comp + L * c_moe, mem + L * m_moe
         return _scalar(comp), _scalar(mem)
+
+    def weight_stream_bytes(self, tokens: Seconds) -> Seconds:
+        """Weight bytes one GPU reads from HBM in a step of `tokens` rows (the layers' GEMMs and
+        lm_head): constant for a dense model; an MoE model reads the experts its tokens touch."""
+        m, b = self.model, self.dtype_bytes
+        lm = m.hidden * m.vocab / self.tp
+        if self._moe is None:
+            return float(b * (m.layers * sum(k * n for k, n in self.gemms.values()) + lm))
+        attn = sum(k * n for op, (k, n) in self.gemms.items() if op in ("qkv_proj", "o_proj"))
+        return b * (m.layers * (attn + self._moe.streamed_params(tokens)) + lm)
 
     # -- memory -----------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:

@@ -94,8 +94,8 @@ REGISTRY: tuple[Figure, ...] = (
     _f("flowprefill", "Fig. 16", "PD colocation with TTFT and TBT attainment (1.6x)",
        why="`flowprefill` schedules prefill instances only; its selector on a colocated core with decodes riding "
            "along is not an assembly the policy registry has, and the experiment records no TBT attainment"),
-    _f("flowprefill", "Fig. 17", "MoE Qwen3-30B-A3B (1.6x goodput, 2.4x tighter SLO)",
-       why="the model catalog has no MoE model and the roofline no expert-routing term"),
+    _f("flowprefill", "Fig. 17", "MoE Qwen3-30B-A3B (1.6x goodput, 2.4x tighter SLO)", _FP,
+       "Results.moe (flowprefill_moe.run_moe; SLOs from the Table 2 row of the nearest-capacity model)"),
     # ------------------------------------------------------------------ DynaServe
     _f("dynaserve", "Fig. 1", "latency-throughput trade-off of colocation and disaggregation", why=_DIAGRAM),
     _f("dynaserve", "Fig. 2", "colocation, disaggregation and micro-request architectures", why=_DIAGRAM),

@@ -1,4 +1,4 @@
-"""`flowyard reproduce flowprefill`: FlowPrefill's evaluation (§6, Figs. 9-12 and 15) in the
+"""`flowyard reproduce flowprefill`: FlowPrefill's evaluation (§6, Figs. 9-12, 15 and 17) in the
 simulator on simulated A800-80GB, on the QwenTrace stand-in (`workloads.multitask`).
 
 Metric: TTFT SLO attainment (share of requests whose TTFT meets their task's Table 2 SLO);
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from flowyard.sim.run import SimConfig, build_cost_model
 from flowyard.sweep import current
 from flowyard.workloads import Workload
 from flowyard.workloads.multitask import qwentrace_like
+
+if TYPE_CHECKING:
+    from flowyard.experiments.flowprefill_moe import MoEResult
 
 HARDWARE = "a800"
 #: (catalog name, TP, label) as in §6.1: one, two and four-way tensor parallelism
@@ -83,6 +87,7 @@ class Settings:
     blocking_models: tuple[str, ...]
     ablations: bool = True
     tol: float = 0.03
+    moe: str = "full"  # Fig. 17's settings in flowprefill_moe.MOE_SETTINGS, or "off"
 
 
 FULL = Settings(
@@ -97,7 +102,7 @@ QUICK = Settings(
     n_requests=300, models=("llama-3-8b",),
     rate_fracs=(0.2, 0.5, 1.0, 1.5), slo_grid=(0.5, 1.0, 2.0, 4.0),
     blocking_rate_frac=0.5, ablation_slo_rate_frac=0.9, slo_sensitivity=(), budget_rate_fracs=(0.5, 1.0, 2.0),
-    blocking_models=("llama-3-8b",), tol=0.1,
+    blocking_models=("llama-3-8b",), tol=0.1, moe="quick",
 )
 
 
@@ -129,6 +134,7 @@ class Results:
     task_mix: dict[str, tuple[float, float]] = field(default_factory=dict)  # task -> (request, prompt-token share)
     wall_s: float = 0.0
     tally: Tally | None = None
+    moe: "MoEResult | None" = None  # Fig. 17 (flowprefill_moe)
 
 
 def scenario(model: str, tp: int, s: Settings, seed: int, tally: Tally, log: Log | None) -> Scenario:
@@ -194,6 +200,10 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
             for f in s.slo_sensitivity:
                 res.sensitivity[f] = {n: min_slo(sc, SYSTEMS[n][0], f * cap, s.slo_grid, s.tol, SYSTEMS[n][1], n)
                                       for n in SENSITIVITY_SYSTEMS}
+    from flowyard.experiments.flowprefill_moe import run_moe  # Fig. 17; it imports this module
+
+    if s.moe != "off":
+        res.moe = run_moe(s, seed, tally, log)
     base = scen[MODELS[0][0]] if MODELS[0][0] in scen else next(iter(scen.values()))
     cap = prefill_capacity(base)
     res.base_capacity = cap

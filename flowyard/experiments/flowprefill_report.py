@@ -14,6 +14,7 @@ from flowyard.experiments.common import (Report, Threshold, band_verdict, bar_pa
 from flowyard.experiments.flowprefill import (HARDWARE, MODELS, PRIMARY, SENSITIVITY_SYSTEMS, SYSTEMS, TARGET,
                                               Results)
 from flowyard.experiments.figures import NOT_BUILT_HEADING
+from flowyard.experiments.flowprefill_moe_report import moe_json, moe_section
 from flowyard.experiments.flowprefill_notes import PAPER, PAPER_OP_BLOCKING_MAX_MS, cost_figures, differences, not_reproduced
 
 FP = "FlowPrefill"
@@ -246,7 +247,7 @@ def _json(res: Results, rep: Report) -> None:
             "priority": {n: {"goodput": _curves(g), "min_slo_scale": _curves(s)}
                          for n, (g, s) in (res.priority or {}).items()},
             "budget": res.budget, "chunk": {n: _curves(t) for n, t in (res.chunk or {}).items()},
-            "blocking_s": res.blocking}
+            "blocking_s": res.blocking, "fig17": moe_json(res.moe)}
     rep.write_json(data, default=float)
 
 
@@ -267,6 +268,7 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _sensitivity(res, rep)
     _ablations(res, rep)
     _fig12(res, rep)
+    moe_section(res.moe, rep)
     rep.add("## Where and why ours differ", differences(res, _ratios(res), _blocking_ratios(res)))
     if t.failures:
         rep.add(f"### Runs that did not finish ({len(t.failures)})",
