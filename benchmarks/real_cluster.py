@@ -76,6 +76,8 @@ def main() -> None:
     bad = [p for p in workloads if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
     if bad:
         sys.exit(f"real_cluster: unknown workload or executor {bad}; workloads: {', '.join(WORKLOADS)}")
+    if args.evals < 2 or (args.requests is not None and args.requests < 2):
+        sys.exit("real_cluster: --evals and --requests must be at least 2 (a search brackets the goodput)")
     import tempfile
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="real-cluster-"))

@@ -124,13 +124,24 @@ def test_moe_step_time_is_its_operators_and_arrays_match_scalars(moe, pt, ds, hi
     assert moe.op_boundaries(shape)[-1] == pytest.approx(t, rel=1e-9)
     T = pt + ds
     np.testing.assert_allclose(moe._moe.time(np.array([T] * 3)), moe._moe.time(T), rtol=1e-12)
-    if pt == 0 or ds == 0:  # (the array path counts attn_fixed_s once when both run: dense alike)
-        arr = BatchShape(np.array([shape.prefill_tokens] * 3), np.array([shape.prefill_seqs] * 3),
-                         np.array([shape.prefill_attn] * 3), np.array([shape.prefill_kv] * 3),
-                         np.array([shape.decode_seqs] * 3), np.array([shape.decode_ctx] * 3, dtype=float))
-        np.testing.assert_allclose(moe.step_time(arr), t, rtol=1e-12)
+    arr = BatchShape(np.array([shape.prefill_tokens] * 3), np.array([shape.prefill_seqs] * 3),
+                     np.array([shape.prefill_attn] * 3), np.array([shape.prefill_kv] * 3),
+                     np.array([shape.decode_seqs] * 3), np.array([shape.decode_ctx] * 3, dtype=float))
+    np.testing.assert_allclose(moe.step_time(arr), t, rtol=1e-12)
     comp, mem = moe.compute_memory_split(shape)
     assert comp > 0 and mem > 0
+
+
+def test_a_dense_mixed_step_prices_the_same_as_an_array_and_as_a_scalar():
+    """A step with prompt tokens and decodes runs two attention kernels: the array path (grids,
+    DynaServe's predictor) counted the fixed cost of one, since numpy ORs two boolean arrays."""
+    cm = make_cost_model("llama-3-8b", "h100")
+    assert cm._afix > 0
+    shape = BatchShape.of([(512, 256)], [1024] * 16)
+    arr = BatchShape(*(np.array([v] * 2) for v in (shape.prefill_tokens, shape.prefill_seqs, shape.prefill_attn,
+                                                  shape.prefill_kv, shape.decode_seqs)),
+                     np.array([shape.decode_ctx] * 2, dtype=float))
+    np.testing.assert_allclose(cm.step_time(arr), cm.step_time(shape), rtol=1e-12)
 
 
 # Computed at a93a922, before MoE support: a dense model's prices must not move by one bit.

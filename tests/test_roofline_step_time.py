@@ -32,7 +32,9 @@ def reference_step_time(self, shape: BatchShape):
              + (self._lin_elem + self._attn_elem + self._ar_row) * T
              + self._lin_launch + self._attn_launch + self._ar_c)
     if self._afix:
-        layer = layer + self._afix * ((pt > 0) + (ds > 0))
+        # one fixed cost per attention kernel that runs (the frozen form ORed two numpy boolean
+        # arrays here, pricing a mixed step's arrays with one: fixed, test_costmodel_moe)
+        layer = layer + self._afix * ((pt > 0) * 1.0 + (ds > 0) * 1.0)
     rows = ps + ds
     cut = (self._graph_c + self._graph_seq * rows) if shape.graphed else 0.0
     return (self.num_layers * layer - cut

@@ -192,7 +192,7 @@ class RooflineCostModel(CostModel):
         layer += self._attn_launch
         layer += self._ar_c
         if self._afix:
-            layer += self._afix * ((pt > 0) + (ds > 0))
+            layer += self._afix * ((pt > 0) * 1.0 + (ds > 0) * 1.0)  # numpy bools would OR
         rows = ps + ds
         out: Seconds = self.num_layers * layer
         if shape.graphed:  # x - 0.0 == x: without a graph nothing is subtracted
@@ -218,7 +218,7 @@ class RooflineCostModel(CostModel):
                               self._pkv * shape.prefill_kv + self._pqo * pt)
                            + mx(self._pf * dc, self._dkv * dc + self._dqo * ds)
                            + self._attn_elem * T + self._attn_launch
-                           + self._afix * ((pt > 0) + (ds > 0)))
+                           + self._afix * ((pt > 0) * 1.0 + (ds > 0) * 1.0))
             else:
                 a, w, b, e, c = self._lin[op]
                 out[op] = mx(a * T, w + b * T) + e * T + c
