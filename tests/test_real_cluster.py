@@ -3,6 +3,8 @@ point in the simulator and on a real `flowyard serve`, the ranking statistic and
 
 from __future__ import annotations
 
+import urllib.request
+
 import sys
 from pathlib import Path
 
@@ -77,4 +79,9 @@ def test_a_real_point_against_flowyard_serve(tiny):
     log = path.parent / "serve.log"
     with rc.Server("flowyard", "local", path, str(d), log) as url:
         p = rc.real_point(url, w, 2.0, slos, calibrate=False)  # the tiny model's context is 256
-    assert p["completed"] == 3 and 0 <= p["attainment"] <= 1
+        again = rc.real_point(url, w, 2.0, slos, calibrate=False)  # the same prompts once more ...
+        with urllib.request.urlopen(url + "/metrics") as r:
+            metrics = r.read().decode()
+    assert p["completed"] == again["completed"] == 3 and 0 <= p["attainment"] <= 1
+    hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits")]
+    assert hits and sum(hits) == 0  # ... found nothing cached: every point pays its prefills
