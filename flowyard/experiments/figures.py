@@ -116,9 +116,8 @@ REGISTRY: tuple[Figure, ...] = (
     _f("dynaserve", "Table 2", "hybrid workload: capacity and goodput", _DS, "Results.hybrid"),
     _f("dynaserve", "Fig. 10", "goodput every 6 min over BurstGPT's 311th hour",
        why="that hour is not in the public 400-row head of BurstGPT bundled here"),
-    _f("dynaserve", "Fig. 11", "TBT CDF with and without SLO-aware batching (52 % -> 99 % of tokens)",
-       why="`dynaserve` has no switch that keeps the split search and drops Alg. 2's step budget "
-           "(DynaServeConfig.split=False drops the split instead)"),
+    _f("dynaserve", "Fig. 11", "TBT CDF with and without SLO-aware batching (52 % -> 99 % of tokens)", _DS,
+       "Results.slo_batching (DynaServeConfig.slo_batching=False: a fixed prefill budget per step)"),
     _f("dynaserve", "Table 3", "global scheduler overhead per request (C++)",
        why="a wall-clock cost of the implementation, not a simulated quantity; "
            "`python benchmarks/dynaserve_split_cost.py` measures our Python split search"),
