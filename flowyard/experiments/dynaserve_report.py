@@ -61,11 +61,11 @@ def headline(rep: Report, res: Results) -> None:
                      f"{100 * red:.0f} %", verdict(red, PAPER_KV_REDUCTION, 1.1)])
     if FIG11_WORKLOAD in res.slo_batching:
         on, off = (res.slo_batching[FIG11_WORKLOAD][k] for k in ("on", "off"))
-        r, v = fig11_verdict(res, FIG11_WORKLOAD)
+        r11, v = fig11_verdict(res, FIG11_WORKLOAD)
         rows.append([f"Fig. 11 tokens within the TBT SLO with / without SLO-aware batching ({BASE}, "
                      f"{WORKLOADS[FIG11_WORKLOAD]})", f"{100 * PAPER_FIG11['on']:.0f} % / {100 * PAPER_FIG11['off']:.0f} % "
                      f"({fmt_x(PAPER_FIG11['on'] / PAPER_FIG11['off'])})",
-                     f"{_pct(on.token_attainment)} % / {_pct(off.token_attainment)} % ({fmt_x(r)})", v])
+                     f"{_pct(on.token_attainment)} % / {_pct(off.token_attainment)} % ({fmt_x(r11)})", v])
     lcu, fit = lcu_decodes(), fit_inputs()
     rows.append([f"Fig. 6 LCU: decodes of context {PAPER_LCU['ctx']} beside a {PAPER_LCU['prefill']}-token prefill "
                  f"within {1e3 * PAPER_LCU['slo']:g} ms (Llama-3.1-8B, A100; cost model)", str(PAPER_LCU["decodes"]),

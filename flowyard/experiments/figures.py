@@ -91,9 +91,8 @@ REGISTRY: tuple[Figure, ...] = (
        why="its point is operator-level preemption's overhead, which is zero in the simulator (a preemption "
            "check costs nothing here); with one SLO S-EDF reduces to FCFS by arrival"),
     _f("flowprefill", "Fig. 15", "FlowPrefill with chunked prefill by chunk size", _FP, "Results.chunk"),
-    _f("flowprefill", "Fig. 16", "PD colocation with TTFT and TBT attainment (1.6x)",
-       why="`flowprefill` schedules prefill instances only; its selector on a colocated core with decodes riding "
-           "along is not an assembly the policy registry has, and the experiment records no TBT attainment"),
+    _f("flowprefill", "Fig. 16", "PD colocation with TTFT and TBT attainment (1.6x)", _FP,
+       "Results.colocation (`flowprefill-colocated`: S-EDF on a colocated chunked core, no operator-level preemption)"),
     _f("flowprefill", "Fig. 17", "MoE Qwen3-30B-A3B (1.6x goodput, 2.4x tighter SLO)",
        why="the model catalog has no MoE model and the roofline no expert-routing term"),
     # ------------------------------------------------------------------ DynaServe
