@@ -190,6 +190,28 @@ def test_dynaserve_steps_with_prefill_stay_within_the_tbt_slo():
     assert times and max(times) <= 0.1
 
 
+def test_slo_batching_off_keeps_the_split_and_fixes_the_step_budget():
+    """Fig. 11's ablation: `slo_batching=False` leaves the split search on and gives every step
+    `chunk_cap` prefill tokens, so with long prompts queued some steps overrun the TBT SLO that
+    Alg. 2 holds (the previous test); the default keeps Alg. 2."""
+    cost = make_cost_model("qwen2.5-14b", "a100-80g")
+    assert DynaServeConfig().local().fixed_prefill is None and DynaServeConfig().slo_batching
+    off = DynaServeConfig(slo_batching=False)
+    assert off.split and off.local().fixed_prefill == off.chunk_cap
+    assert DynaServeRouter(cost, OracleLengthPredictor(), off).token_budget == off.chunk_cap
+    with pytest.raises(ValueError, match="fixed_prefill"):
+        LocalConfig(fixed_prefill=0)
+    reqs = [Request(id=i, arrival=0.25 * i, prompt_len=2048, output_len=128) for i in range(40)]
+    times, budgets = [], []
+    pol = build_policy("dynaserve", PolicyOptions(num_instances=2, predictor=cost, dynaserve=off))
+    sim = Simulator(reqs, pol, cost, build_topology(SimConfig(hardware="a100-80g")),
+                    on_step=lambda i, plan, k: times.append(float(cost.step_time(plan.shape()))) if plan.prefills else None)
+    sim.run()
+    budgets = [b for inst in sim.instances for b in inst.sched.selector.budgets]
+    assert budgets and set(budgets) == {off.chunk_cap}
+    assert max(times) > 0.1
+
+
 # -- chunked KV transfer ---------------------------------------------------------------------------
 class SplitAtPromptEnd(RoundRobin):
     def route(self, req, view, now):

@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 def test_report_figures_and_results(tiny):
     res, md_path, out = tiny
     md = md_path.read_text(encoding="utf-8")
-    for section in ("Headline", "Table 1", "Fig. 8", "Fig. 9", "Table 2", "Table 4", "Chunked KV", "Why ours differ",
+    for section in ("Headline", "Table 1", "Fig. 8", "Fig. 9", "Table 2", "Table 4", "Chunked KV", "Fig. 11", "Why ours differ",
                     "Figures not reproduced, and why", "What changed since the previous report"):
         assert f"## {section}" in md
     # every headline verdict is computed, with a band on both sides (or not measured)
@@ -55,9 +55,10 @@ def test_report_figures_and_results(tiny):
         "fit input, not a check (the 'published' calibration was fitted on the point 'dynaserve fig6 LCU")
     assert md.split("## Table 1")[1].split("\n## ")[0].count("(fit input)") == 3
     gone = md.split("## Figures not reproduced, and why")[1]
-    for fig in ("Fig. 3", "Fig. 5", "Fig. 6", "Fig. 10", "Fig. 11", "Table 3"):
+    for fig in ("Fig. 3", "Fig. 5", "Fig. 6", "Fig. 10", "Table 3"):
         assert f"**{fig}**" in gone, fig
-    for png in ("fig8_goodput.png", "fig9_capacity.png"):
+    assert "**Fig. 11**" not in gone  # built: its own section and a headline verdict
+    for png in ("fig8_goodput.png", "fig9_capacity.png", "fig11_tbt_cdf.png"):
         assert (out / "dynaserve" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(dynaserve/{png})" in md
     data = json.loads((out / "dynaserve" / "results.json").read_text())
@@ -67,6 +68,28 @@ def test_report_figures_and_results(tiny):
     draws = data["sensitivity"]["points"]["50"]
     assert len(draws) == 2 and draws[0] != draws[1]  # two workload draws, not one memoised point
     assert EXPERIMENTS["dynaserve"] == "flowyard.experiments.dynaserve"
+    fig11 = data["fig11_slo_batching"]["burstgpt"]
+    assert set(fig11) == {"on", "off"} and len(fig11["on"]["tbt_cdf"]) == 101
+    assert "tbt_cdf" not in data["kv"]["chunked"]  # kept only where a CDF is drawn
+
+
+def test_fig11_slo_batching_on_and_off(tiny):
+    """Fig. 11: the same workload and rate with Alg. 2's budget and with a fixed one; the verdict
+    is the measured ratio of tokens within the SLO, and a ratio <= 1 is never reproduced."""
+    from flowyard.experiments.dynaserve_notes import fig11_verdict
+
+    res = tiny[0]
+    on, off = res.slo_batching["burstgpt"]["on"], res.slo_batching["burstgpt"]["off"]
+    assert on.rate == off.rate and on.tbt_cdf and off.tbt_cdf
+    for p in (on, off):  # the CDF is the same gaps the attainment counts
+        assert list(p.tbt_cdf) == sorted(p.tbt_cdf) and p.tbt_cdf[0] <= p.tbt_p50 <= p.tbt_cdf[-1]
+    r, v = fig11_verdict(res, "burstgpt")
+    assert math.isclose(r, on.token_attainment / off.token_attainment)
+    assert v in tiny[1].read_text(encoding="utf-8")
+    swapped = dataclasses.replace(res, slo_batching={"burstgpt": {"on": off, "off": on}})
+    if off.token_attainment < on.token_attainment:
+        assert fig11_verdict(swapped, "burstgpt")[1].startswith("not reproduced")
+    assert fig11_verdict(dataclasses.replace(res, slo_batching={}), "burstgpt")[1].startswith("not measured")
 
 
 def test_table1_direction_long_prompts(tiny):

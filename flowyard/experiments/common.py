@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from flowyard.core.metrics import meets_slo, summarize
+from flowyard.core.metrics import EPS, meets_slo, summarize, tbt, ttft
+from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.policies.registry import build_policy
@@ -54,6 +55,8 @@ class Point:
     wall_s: float
     events: int
     error: str = ""  # the run did not finish (SimulationError): attainment is NaN, counted as a miss
+    # attainment of each objective alone ("ttft", "tbt"), over the requests that carry it
+    by_objective: dict[str, float] = field(default_factory=dict)
 
     def blocking_stats(self) -> dict[str, float]:
         b = np.asarray(self.blocking, float)
@@ -82,7 +85,31 @@ def run_point(cfg: SimConfig, workload: Workload, cost: CostModel,
     return Point(s.slo_attainment, s.throughput_rps,
                  s.input_tokens / s.duration_s if s.duration_s > 0 else 0.0,
                  s.ttft["p50"], s.ttft["p99"], {k: float(np.mean(v)) for k, v in sorted(tasks.items())},
-                 tuple(res.preemption_blocking), res.wall_s, res.events)
+                 tuple(res.preemption_blocking), res.wall_s, res.events, by_objective=objective_attainment(res.states))
+
+
+def objective_attainment(states: Sequence[RequestState]) -> dict[str, float]:
+    """Per objective (TTFT, TBT), the share of the requests carrying it that finished and met it
+    alone (`meets_slo` judges all of a request's objectives together): a colocated scheduler
+    trades one against the other (FlowPrefill Fig. 16 plots each)."""
+    out: dict[str, float] = {}
+    for name in ("ttft", "tbt"):
+        carry = [st for st in states if getattr(st.req.slo, name) is not None]
+        if not carry:
+            continue
+        met = 0
+        for st in carry:
+            limit = float(getattr(st.req.slo, name)) + EPS
+            if st.status is not Status.FINISHED or st.first_token_time is None:
+                continue
+            if name == "ttft":
+                t = ttft(st)
+                met += int(t is not None and t <= limit)
+            else:
+                gaps = tbt(st)
+                met += int(not len(gaps) or float(gaps.max()) <= limit)
+        out[name] = float(met / len(carry))
+    return out
 
 
 @dataclass

@@ -61,6 +61,7 @@ class DSPoint:
     wall_s: float
     events: int
     error: str = ""
+    tbt_cdf: tuple[float, ...] = ()  # TBT (s) at percentiles 0, 1, ..., 100 of all gaps (when asked for)
 
     @property
     def sustainable(self) -> bool:
@@ -105,9 +106,10 @@ class Cluster:
         return build_simulator(cfg, w, cost_model=self.cost, policy=policy)
 
     def point(self, system: str, key: str, rate: float, make: Callable[[float], Workload], *,
-              chunk: int | None = None, ds: DynaServeConfig | None = None) -> DSPoint:
-        """`make(rate)` builds the workload (memoised by `key` and rate)."""
-        ck = (system, chunk, ds, key, round(rate, 9))
+              chunk: int | None = None, ds: DynaServeConfig | None = None, cdf: bool = False) -> DSPoint:
+        """`make(rate)` builds the workload (memoised by `key` and rate); `cdf` keeps the TBT
+        distribution's percentiles (Fig. 11)."""
+        ck = (system, chunk, ds, key, round(rate, 9), cdf)
         if ck in self._cache:
             return self._cache[ck]
         w = make(rate)
@@ -117,7 +119,7 @@ class Cluster:
         except SimulationError as e:
             p = _nan_point(rate, f"{type(e).__name__}: {e}")
         else:
-            p = self._reduce(rate, res, sim)
+            p = self._reduce(rate, res, sim, cdf)
         self.tally.record(f"{self.model} TP{self.tp}, {system}, {key} at {rate:.3f} req/s", p.wall_s, p.error, p.events)
         if self.log is not None:
             self.log(f"  {self.model:>12} TP{self.tp} {system + (f' c{chunk}' if chunk else ''):>16} {key:>22} "
@@ -126,7 +128,7 @@ class Cluster:
         self._cache[ck] = p
         return p
 
-    def _reduce(self, rate: float, res, sim: Simulator) -> DSPoint:
+    def _reduce(self, rate: float, res, sim: Simulator, cdf: bool = False) -> DSPoint:
         states = res.states
         makespan = max(res.sim_time, 1e-9)
         gaps_each = [tbt(s) for s in states]
@@ -150,4 +152,5 @@ class Cluster:
             mfu=mfu, hbm=hbm, kv_exposed_ms=float(np.mean(exposed)) * 1e3 if exposed else math.nan,
             split_share=float(np.mean([s.prefill_instance is not None and s.prefill_instance != s.instance
                                        for s in states])),
-            wall_s=res.wall_s, events=res.events)
+            wall_s=res.wall_s, events=res.events,
+            tbt_cdf=tuple(np.percentile(gaps, np.arange(101)).tolist()) if cdf and len(gaps) else ())

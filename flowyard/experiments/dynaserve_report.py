@@ -12,12 +12,12 @@ import numpy as np
 
 from flowyard.experiments.common import (Report, bar_panel, curve_panel, figure, fmt_range, fmt_x,
                                          ratio, save, source_revision)
-from flowyard.experiments.dynaserve import BASE, CURVE, MODELS, SHAPES, SYSTEMS, WORKLOADS, Results
-from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, DSPoint
+from flowyard.experiments.dynaserve import BASE, CURVE, FIG11_WORKLOAD, MODELS, SHAPES, SYSTEMS, WORKLOADS, Results
+from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, HARDWARE, TBT_SLO, DSPoint
 from flowyard.experiments.figures import NOT_BUILT_HEADING
-from flowyard.experiments.dynaserve_notes import (PAPER_CAPACITY, PAPER_GOODPUT_UP_TO, PAPER_HYBRID,
+from flowyard.experiments.dynaserve_notes import (PAPER_CAPACITY, PAPER_FIG11, PAPER_GOODPUT_UP_TO, PAPER_HYBRID,
                                                   PAPER_KV_REDUCTION, PAPER_LCU, PAPER_T1,
-                                                  PAPER_T4, SETUP, fit_inputs, length_error_verdict, fit_verdict, lcu_decodes, not_reproduced, notes, verdict)
+                                                  PAPER_T4, SETUP, fig11_verdict, fit_inputs, length_error_verdict, fit_verdict, lcu_decodes, not_reproduced, notes, verdict)
 
 _finite_mean = lambda v: float(np.mean([x for x in v if math.isfinite(x)])) if any(map(math.isfinite, v)) else math.nan  # noqa: E731
 
@@ -59,6 +59,13 @@ def headline(rep: Report, res: Results) -> None:
         red = 1 - ratio(res.kv["chunked"].kv_exposed_ms, res.kv["whole"].kv_exposed_ms)
         rows.append(["chunked KV transfer: share of exposed transfer time removed", f"{100 * PAPER_KV_REDUCTION:.0f} %",
                      f"{100 * red:.0f} %", verdict(red, PAPER_KV_REDUCTION, 1.1)])
+    if FIG11_WORKLOAD in res.slo_batching:
+        on, off = (res.slo_batching[FIG11_WORKLOAD][k] for k in ("on", "off"))
+        r11, v = fig11_verdict(res, FIG11_WORKLOAD)
+        rows.append([f"Fig. 11 tokens within the TBT SLO with / without SLO-aware batching ({BASE}, "
+                     f"{WORKLOADS[FIG11_WORKLOAD]})", f"{100 * PAPER_FIG11['on']:.0f} % / {100 * PAPER_FIG11['off']:.0f} % "
+                     f"({fmt_x(PAPER_FIG11['on'] / PAPER_FIG11['off'])})",
+                     f"{_pct(on.token_attainment)} % / {_pct(off.token_attainment)} % ({fmt_x(r11)})", v])
     lcu, fit = lcu_decodes(), fit_inputs()
     rows.append([f"Fig. 6 LCU: decodes of context {PAPER_LCU['ctx']} beside a {PAPER_LCU['prefill']}-token prefill "
                  f"within {1e3 * PAPER_LCU['slo']:g} ms (Llama-3.1-8B, A100; cost model)", str(PAPER_LCU["decodes"]),
@@ -201,6 +208,33 @@ def kv(rep: Report, res: Results) -> None:
             f"segment ({100 * red:.0f} % less; paper: 94 % less).")
 
 
+def fig11(rep: Report, res: Results) -> None:
+    """SLO-aware batching on and off: the TBT CDF per workload and the share within the SLO."""
+    keys = list(res.slo_batching)
+    fig, axes = figure(len(keys), 1, size=(4.4 * len(keys), 3.4))
+    for ax, key in zip(axes, keys):
+        pts = res.slo_batching[key]
+        series = {f"SLO-aware batching {name}": [(1e3 * t, q / 100) for q, t in enumerate(p.tbt_cdf)]
+                  for name, p in pts.items()}
+        curve_panel(ax, series, xlabel="TBT (ms)", ylabel="tokens (CDF, %)", target=None,
+                    title=f"{WORKLOADS.get(key, key)} at {pts['on'].rate:.2f} req/s")
+        ax.axvline(1e3 * TBT_SLO, color="grey", ls="--", lw=0.8)
+    save(fig, rep.figure_path("fig11_tbt_cdf.png"))
+    rep.add("## Fig. 11: TBT CDF with and without SLO-aware batching",
+            f"DynaServe on {BASE} at its own serving capacity on each workload (Fig. 9: the highest rate whose P99 "
+            "TBT holds the SLO, our reading of the paper's \"high-workload pressure\"; the paper names no workload, so "
+            f"the verdict is on {WORKLOADS[FIG11_WORKLOAD]}, the workload of its §6.6 breakdown). \"on\": Alg. 2's "
+            "prefill budget per step from the profile table; \"off\": the same split search with a fixed "
+            "`chunk_cap` (1024) prefill tokens every step plus its decodes (`DynaServeConfig(slo_batching=False)`). "
+            "Tokens within the SLO = share of all inter-token gaps <= 100 ms (`dynaserve_bench.py`).")
+    rep.image("fig11_tbt_cdf.png", "TBT CDF with and without SLO-aware batching")
+    rows = [[WORKLOADS.get(k, k), f"{pts['on'].rate:.2f}"]
+            + [f"{_pct(pts[n].token_attainment)} % ({_ms(pts[n].tbt_p99)} / {_ms(pts[n].tbt_cdf[-1] if pts[n].tbt_cdf else math.nan)})"
+               for n in ("on", "off")] + [fig11_verdict(res, k)[1]] for k, pts in res.slo_batching.items()]
+    rep.table(["workload", "rate (req/s)", "on: within SLO (P99 / max TBT, ms)", "off", "ratio vs paper's "
+               f"{fmt_x(PAPER_FIG11['on'] / PAPER_FIG11['off'])}"], rows)
+
+
 def write_report(res: Results, out: Path, *, command: str) -> Path:
     rep = Report(out, "dynaserve")
     s = res.settings
@@ -219,6 +253,8 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     hybrid(rep, res)
     sensitivity(rep, res)
     kv(rep, res)
+    if res.slo_batching:
+        fig11(rep, res)
     rep.add("## Why ours differ", notes(res))
     rep.add(NOT_BUILT_HEADING, not_reproduced(res))
     failures = res.tally.failures
@@ -229,7 +265,8 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
 
 
 def _point(p: DSPoint) -> dict:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(p).items()}
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(p).items()
+            if k != "tbt_cdf" or v}
 
 
 def to_json(res: Results) -> dict:
@@ -242,4 +279,5 @@ def to_json(res: Results) -> dict:
             "hybrid": {s: {"capacity_rps": c.value, "point": _point(p)} for s, (c, p) in res.hybrid.items()},
             "sensitivity": {"rate_rps": res.sensitivity_rate,
                             "points": {f"{k:g}": [_point(p) for p in pts] for k, pts in res.sensitivity.items()}},
-            "kv": {k: _point(p) for k, p in res.kv.items()}}
+            "kv": {k: _point(p) for k, p in res.kv.items()},
+            "fig11_slo_batching": {k: {n: _point(p) for n, p in v.items()} for k, v in res.slo_batching.items()}}

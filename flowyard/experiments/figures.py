@@ -91,9 +91,8 @@ REGISTRY: tuple[Figure, ...] = (
        why="its point is operator-level preemption's overhead, which is zero in the simulator (a preemption "
            "check costs nothing here); with one SLO S-EDF reduces to FCFS by arrival"),
     _f("flowprefill", "Fig. 15", "FlowPrefill with chunked prefill by chunk size", _FP, "Results.chunk"),
-    _f("flowprefill", "Fig. 16", "PD colocation with TTFT and TBT attainment (1.6x)",
-       why="`flowprefill` schedules prefill instances only; its selector on a colocated core with decodes riding "
-           "along is not an assembly the policy registry has, and the experiment records no TBT attainment"),
+    _f("flowprefill", "Fig. 16", "PD colocation with TTFT and TBT attainment (1.6x)", _FP,
+       "Results.colocation (`flowprefill-colocated`: S-EDF on a colocated chunked core, no operator-level preemption)"),
     _f("flowprefill", "Fig. 17", "MoE Qwen3-30B-A3B (1.6x goodput, 2.4x tighter SLO)", _FP,
        "Results.moe (flowprefill_moe.run_moe; SLOs from the Table 2 row of the nearest-capacity model)"),
     # ------------------------------------------------------------------ DynaServe
@@ -116,9 +115,8 @@ REGISTRY: tuple[Figure, ...] = (
     _f("dynaserve", "Table 2", "hybrid workload: capacity and goodput", _DS, "Results.hybrid"),
     _f("dynaserve", "Fig. 10", "goodput every 6 min over BurstGPT's 311th hour",
        why="that hour is not in the public 400-row head of BurstGPT bundled here"),
-    _f("dynaserve", "Fig. 11", "TBT CDF with and without SLO-aware batching (52 % -> 99 % of tokens)",
-       why="`dynaserve` has no switch that keeps the split search and drops Alg. 2's step budget "
-           "(DynaServeConfig.split=False drops the split instead)"),
+    _f("dynaserve", "Fig. 11", "TBT CDF with and without SLO-aware batching (52 % -> 99 % of tokens)", _DS,
+       "Results.slo_batching (DynaServeConfig.slo_batching=False: a fixed prefill budget per step)"),
     _f("dynaserve", "Table 3", "global scheduler overhead per request (C++)",
        why="a wall-clock cost of the implementation, not a simulated quantity; "
            "`python benchmarks/dynaserve_split_cost.py` measures our Python split search"),

@@ -1,4 +1,4 @@
-"""`flowyard reproduce flowprefill`: FlowPrefill's evaluation (§6, Figs. 9-12, 15 and 17) in the
+"""`flowyard reproduce flowprefill`: FlowPrefill's evaluation (§6, Figs. 9-12 and 15-17) in the
 simulator on simulated A800-80GB, on the QwenTrace stand-in (`workloads.multitask`).
 
 Metric: TTFT SLO attainment (share of requests whose TTFT meets their task's Table 2 SLO);
@@ -27,6 +27,7 @@ from flowyard.experiments.common import (
     stderr_log,
     threshold_search,
 )
+from flowyard.experiments.flowprefill_coloc import FULL_COLOC, QUICK_COLOC, ColocSettings, Colocation, run_colocation
 from flowyard.policies.flowprefill import FlowPrefillConfig
 from flowyard.sim.run import SimConfig, build_cost_model
 from flowyard.sweep import current
@@ -88,6 +89,7 @@ class Settings:
     ablations: bool = True
     tol: float = 0.03
     moe: str = "full"  # Fig. 17's settings in flowprefill_moe.MOE_SETTINGS, or "off"
+    coloc: ColocSettings | None = None  # Fig. 16 (PD colocation); None skips it
 
 
 FULL = Settings(
@@ -96,13 +98,14 @@ FULL = Settings(
     slo_grid=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
     blocking_rate_frac=0.5, ablation_slo_rate_frac=0.9, slo_sensitivity=(0.35, 0.5),
     budget_rate_fracs=(0.4, 0.7, 1.0, 1.3, 1.6, 2.0),
-    blocking_models=tuple(m for m, _, _ in MODELS),
+    blocking_models=tuple(m for m, _, _ in MODELS), coloc=FULL_COLOC,
 )
 QUICK = Settings(
     n_requests=300, models=("llama-3-8b",),
     rate_fracs=(0.2, 0.5, 1.0, 1.5), slo_grid=(0.5, 1.0, 2.0, 4.0),
     blocking_rate_frac=0.5, ablation_slo_rate_frac=0.9, slo_sensitivity=(), budget_rate_fracs=(0.5, 1.0, 2.0),
     blocking_models=("llama-3-8b",), tol=0.1, moe="quick",
+    coloc=QUICK_COLOC,
 )
 
 
@@ -129,6 +132,7 @@ class Results:
     blocking: dict[str, dict[str, dict[str, float]]] | None = None  # model -> granularity -> stats
     blocking_attainment: dict[str, dict[str, float]] | None = None
     chunk: dict[str, Threshold] | None = None
+    colocation: Colocation | None = None  # Fig. 16
     base_capacity: float = 0.0
     arrival_cv: float = 0.0  # coefficient of variation of the inter-arrival gaps
     task_mix: dict[str, tuple[float, float]] = field(default_factory=dict)  # task -> (request, prompt-token share)
@@ -241,6 +245,9 @@ def run_experiments(s: Settings, seed: int, log: Log | None = stderr_log) -> Res
             st["below_4.5ms"] = float(np.mean(np.asarray(p.blocking) < 4.5e-3)) if p.blocking else float("nan")
             res.blocking[model][gran] = st
             res.blocking_attainment[model][gran] = p.attainment
+    if s.coloc is not None:
+        say("[fig 16] PD colocation: FlowPrefill's S-EDF vs vLLM chunked prefill")
+        res.colocation = run_colocation(s.coloc, s.n_requests, seed, tally, log)
     res.wall_s, res.tally = clock.elapsed, tally
     return res
 

@@ -7,6 +7,7 @@ the paper's (`PAPER`), always labelled as such.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from flowyard.experiments.common import (Report, Threshold, band_verdict, bar_panel, curve_panel, figure,
@@ -15,6 +16,8 @@ from flowyard.experiments.flowprefill import (HARDWARE, MODELS, PRIMARY, SENSITI
                                               Results)
 from flowyard.experiments.figures import NOT_BUILT_HEADING
 from flowyard.experiments.flowprefill_moe_report import moe_json, moe_section
+from flowyard.experiments.flowprefill_coloc import PAPER_TBT_UP_TO, tbt_verdict, write_section
+from flowyard.experiments.flowprefill_coloc import to_json as coloc_json
 from flowyard.experiments.flowprefill_notes import PAPER, PAPER_OP_BLOCKING_MAX_MS, cost_figures, differences, not_reproduced
 
 FP = "FlowPrefill"
@@ -77,6 +80,10 @@ def _headline(res: Results, rep: Report) -> None:
                  + " of them below", below([op_max], lim)])
     rows.append(["layer- over operator-level mean blocking", _paper(lo, hi),
                  " / ".join(fmt_x(x) for x in br), band_verdict(br, lo, hi)])
+    if res.colocation is not None:
+        rows.append(["Fig. 16 colocated: TBT attainment vs vLLM-CP2K (Llama3-8B, one instance)",
+                     f"up to {PAPER_TBT_UP_TO}×", " / ".join(fmt_x(x) for x in res.colocation.ratios("tbt")),
+                     tbt_verdict(res.colocation)])
     rep.add("## Headline: the paper's numbers beside ours",
             f"Ours per model ({models}; blocking: {', '.join(LABELS[m] for m in res.blocking or {})}).")
     rep.table(["claim (FlowPrefill …)", "paper", "ours", "ours vs paper"], rows)
@@ -240,14 +247,15 @@ def _curves(t: Threshold) -> dict:
 
 
 def _json(res: Results, rep: Report) -> None:
-    data = {"seed": res.seed, "settings": vars(res.settings), "wall_s": res.wall_s,
+    data = {"seed": res.seed, "settings": asdict(res.settings), "wall_s": res.wall_s,
             "e2e": [{"model": m.model, "capacity_rps": m.capacity, "slo_rate_rps": m.slo_rate,
                      "goodput": {n: _curves(t) for n, t in m.goodput.items()},
                      "min_slo_scale": {n: _curves(t) for n, t in m.min_slo.items()}} for m in res.e2e],
             "priority": {n: {"goodput": _curves(g), "min_slo_scale": _curves(s)}
                          for n, (g, s) in (res.priority or {}).items()},
             "budget": res.budget, "chunk": {n: _curves(t) for n, t in (res.chunk or {}).items()},
-            "blocking_s": res.blocking, "fig17": moe_json(res.moe)}
+            "blocking_s": res.blocking, "fig17": moe_json(res.moe),
+            "colocation": coloc_json(res.colocation) if res.colocation is not None else None}
     rep.write_json(data, default=float)
 
 
@@ -268,6 +276,8 @@ def write_report(res: Results, out: Path, *, command: str) -> Path:
     _sensitivity(res, rep)
     _ablations(res, rep)
     _fig12(res, rep)
+    if res.colocation is not None:
+        write_section(rep, res.colocation)
     moe_section(res.moe, rep)
     rep.add("## Where and why ours differ", differences(res, _ratios(res), _blocking_ratios(res)))
     if t.failures:

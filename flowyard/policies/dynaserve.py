@@ -49,6 +49,10 @@ class DynaServeConfig:
     max_num_seqs: int = 256
     min_segment: int = 32  # shorter segments are folded into the other instance's
     split: bool = True  # False: never split (Alg. 2 batching on round-robin pairs only)
+    # False: keep the split search but drop Alg. 2's step budget: every step takes a fixed
+    # `chunk_cap` prefill tokens plus its decodes (Fig. 11's "without SLO-aware batching"); the
+    # virtual passes of the split search then assume that budget too
+    slo_batching: bool = True
     chunked_kv: bool = True  # simulator: push the first segment's KV chunk by chunk
     resync_interval_s: float = 0.25  # at most one snapshot re-seed per instance this often
     lengths: str = "empirical"
@@ -66,7 +70,8 @@ class DynaServeConfig:
 
     def local(self) -> LocalConfig:
         return LocalConfig(tbt_slo=self.tbt_slo, headroom=self.step_headroom, chunk_cap=self.chunk_cap,
-                           migration_patience_s=self.migration_patience_s)
+                           migration_patience_s=self.migration_patience_s,
+                           fixed_prefill=None if self.slo_batching else self.chunk_cap)
 
 
 @dataclass(slots=True)
@@ -90,7 +95,8 @@ class DynaServeRouter(GlobalScheduler):
     def __init__(self, cost: CostModel, lengths: LengthPredictor, cfg: DynaServeConfig = DynaServeConfig()) -> None:
         self.cost, self.lengths, self.cfg = cost, lengths, cfg
         self.chunked_kv = cfg.chunked_kv  # read by the simulator
-        self.token_budget = max(cfg.chunk_cap // 4, ProfileTable(cost, cfg.local()).budget(0, 0.0))
+        self.token_budget = (max(cfg.chunk_cap // 4, ProfileTable(cost, cfg.local()).budget(0, 0.0))
+                             if cfg.slo_batching else cfg.chunk_cap)
         self.views: dict[int, VirtualBatch] = {}
         self._future: dict[int, list[tuple[float, Segment]]] = {}
         self._synced: dict[int, float] = {}

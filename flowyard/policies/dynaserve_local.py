@@ -53,10 +53,16 @@ class LocalConfig:
     max_prefill: int = 8192
     alpha: float = 0.2
     migration_patience_s: float = 0.5  # then a migration that finds no KV here is recomputed
+    # None: Alg. 2 (the profile table's SLO-aware budget before every step). An int: every step
+    # takes this many prefill tokens whatever its decodes cost, the "naive" batching §4.2 argues
+    # against (the ablation of Fig. 11)
+    fixed_prefill: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tbt_slo > 0 or not 0 < self.headroom <= 1 or self.chunk_cap < 1:
             raise ValueError("tbt_slo > 0, 0 < headroom <= 1 and chunk_cap >= 1 required")
+        if self.fixed_prefill is not None and self.fixed_prefill < 1:
+            raise ValueError("fixed_prefill must be positive (or None for Alg. 2's SLO-aware budget)")
 
 
 class ProfileTable:
@@ -193,7 +199,10 @@ class DynaServeSelector(ChunkedSelector):
         n = len(decodes)
         ctx = sum(r.num_computed + 1 for r in decodes) / n if n else 0.0
         history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
-        self._budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
+        if self.local.fixed_prefill is not None:  # SLO-aware batching off (Fig. 11's ablation)
+            self._budget = self.local.fixed_prefill
+        else:
+            self._budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
         self.token_budget = n + self._budget
         return self.token_budget
 

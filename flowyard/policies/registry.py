@@ -23,6 +23,7 @@ from flowyard.policies.flowyard_policy import FlowyardConfig, flowyard_policy
 from flowyard.policies.local import BatchConfig, BatchScheduler
 from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig, PLARouter
+from flowyard.policies.slack import TTFTPredictor
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
 
@@ -130,6 +131,25 @@ def _flowprefill(name: str, o: PolicyOptions) -> Policy:
 
     decode = BatchConfig(max_num_batched_tokens=2048, max_num_seqs=o.max_num_seqs)
     return Policy(name, RoundRobinPD(), roles, {Role.DECODE: decode}, {Role.PREFILL: prefill})
+
+
+def _flowprefill_colocated(name: str, o: PolicyOptions) -> Policy:
+    """FlowPrefill's S-EDF on colocated instances (the PD-colocation setting of its Fig. 16, as
+    far as existing parts compose it): MIXED instances running vLLM's chunked prefill, decodes
+    riding along in every step, whose waiting queue is ranked by S-EDF with the TTFT predictor;
+    vLLM's data-parallel dispatch. It differs from `vllm` only in the queue order, so a run
+    against `vllm` at the same chunk isolates the selector. What it lacks: operator-level
+    preemption (a step that carries decodes runs to its end, and a started prompt keeps its turn
+    between chunks) and the paper's intra-PD split of a device group into prefill and decode."""
+    if o.predictor is None:
+        raise ValueError(f"{name} needs a TTFT predictor (PolicyOptions.predictor) for S-EDF's slack")
+    ttft_hat = TTFTPredictor(o.predictor).request
+    cfg = BatchConfig(max_num_batched_tokens=o.chunk_size or 2048, max_num_seqs=o.max_num_seqs, order="s-edf")
+
+    def local(instance: int, role: Role, kv: KVCacheManager, batch: BatchConfig) -> LocalScheduler:
+        return BatchScheduler(instance, role, kv, batch, ttft_hat=ttft_hat)
+
+    return Policy(name, VllmDataParallel(), [Role.MIXED] * o.num_instances, {Role.MIXED: cfg}, {Role.MIXED: local})
 
 
 def _pla_spatial(name: str, o: PolicyOptions) -> Policy:
@@ -240,6 +260,7 @@ POLICY_SPECS: dict[str, PolicySpec] = {
     "distserve-cp2k": PolicySpec(_distserve(2048, "edf"), disaggregated=True),
     "distserve-cp8k": PolicySpec(_distserve(8192, "edf"), disaggregated=True),
     "flowprefill": PolicySpec(_flowprefill, needs_predictor=True, disaggregated=True),
+    "flowprefill-colocated": PolicySpec(_flowprefill_colocated, needs_predictor=True),
     "pla": PolicySpec(_pla, needs_predictor=True, disaggregated=True),
     "pla-spatial": PolicySpec(_pla_spatial, needs_predictor=True, disaggregated=True),
     "pla-mix": PolicySpec(_pla_spatial, needs_predictor=True),

@@ -195,6 +195,12 @@ class ChunkedSelector(PrefillSelector):
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def allows_run(self) -> bool:
+        """A deadline-slack order (s-edf, d-edf) re-ranks the queue at every step, so the head
+        that KV refused in this step may be another one in the next: no multi-step decode run
+        while prompts wait under such an order (static orders keep their head)."""
+        return self.order.static or not self._waiting
+
     def waiting_states(self) -> list[RequestState]:
         return [w[2] for w in self._waiting]
 
