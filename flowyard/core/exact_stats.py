@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 Batches = Callable[[], Iterable[np.ndarray]]
 BLOCK = 128  # numpy's PW_BLOCKSIZE
-BITS = 20  # key bits resolved per selection pass (a histogram of 2**BITS counts)
+BITS = 16  # key bits resolved per selection pass (a histogram of 2**BITS counts per wanted bin)
 KEEP = 1 << 21  # values of the wanted bins kept for an exact final selection
 
 
@@ -74,7 +75,7 @@ class PairwiseSum:
             lo, size = self._lo[first:last] - base, self._size[first:last]
             for s in np.unique(size):
                 pick = np.flatnonzero(size == s)
-                rows = buf[lo[pick, None] + np.arange(s)]
+                rows = sliding_window_view(buf, int(s))[lo[pick]]  # the blocks of size s, copied once
                 self._sums[first + pick] = _block_sums(rows)
             self._next = last
             buf = buf[int(self._end[last - 1]) - base:]

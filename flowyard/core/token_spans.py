@@ -20,7 +20,9 @@ import numpy as np
 
 from flowyard.core.exact_stats import PairwiseSum
 
-BATCH_REQUESTS = 8192  # completed requests concatenated at a time (their tokens, three times, at peak)
+# completed requests concatenated at a time: their tokens a few times over at peak (a batch's
+# concatenation, gaps and the sum's or selection's scratch), so a few tens of MB
+BATCH_REQUESTS = 2048
 
 
 @dataclass(slots=True)
