@@ -98,6 +98,8 @@ def streamed_stats(spans: TokenSpans) -> dict[str, float]:
     """`stats` of every gap of `spans`, the same floats, without holding all the gaps at once
     (`exact_stats`: numpy's pairwise sum and percentile, replayed over batches of gaps)."""
     n = spans.n_gaps
+    if spans.kept is not None:  # few enough to be kept: numpy on the array itself
+        return stats(spans.kept, scratch=True)
     if n == 0:
         return stats(np.empty(0))
     pct = percentiles(spans.gap_batches, n, list(PERCENTILES.values()))

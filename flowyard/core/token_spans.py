@@ -23,6 +23,9 @@ from flowyard.core.exact_stats import PairwiseSum
 # completed requests concatenated at a time: their tokens a few times over at peak (a batch's
 # concatenation, gaps and the sum's or selection's scratch), so a few tens of MB
 BATCH_REQUESTS = 2048
+# Up to this many gaps (32 MiB) they are simply kept in one array: streaming them costs more
+# time than the copy costs memory in a small run (a sweep runs thousands of those)
+KEEP_GAPS = 1 << 22
 
 
 @dataclass(slots=True)
@@ -36,15 +39,21 @@ class TokenSpans:
     _chunks: list[np.ndarray] = field(repr=False)
     _nchunks: list[int] = field(repr=False)
     _batch: int = field(repr=False)
+    kept: np.ndarray | None = None  # every gap in one array, when there are at most KEEP_GAPS
 
     def gap_batches(self) -> Iterator[np.ndarray]:
         """Every gap inside a request, request after request, a batch of requests at a time."""
+        if self.kept is not None:
+            yield self.kept
+            return
         for kept, _, _, _ in _batches(self._chunks, self._nchunks, self._batch):
             yield kept
 
     @property
     def gaps(self) -> np.ndarray:
-        """All gaps in one array (small runs and tests; summarize streams them instead)."""
+        """All gaps in one array (small runs and tests; summarize streams large ones)."""
+        if self.kept is not None:
+            return self.kept
         parts = list(self.gap_batches())
         return np.concatenate(parts) if parts else np.empty(0)
 
@@ -57,12 +66,20 @@ def token_spans(chunks: list[np.ndarray], nchunks: list[int], batch: int = BATCH
     m = len(n)
     first, last, max_gap = np.full(m, np.nan), np.full(m, np.nan), np.full(m, np.nan)
     n_gaps = int(np.maximum(n - 1, 0).sum())
-    total = PairwiseSum(n_gaps)
+    keep = n_gaps <= KEEP_GAPS
+    total = PairwiseSum(0 if keep else n_gaps)
+    gaps = np.empty(n_gaps if keep else 0)
+    g = 0
     for kept, lo, hi, parts in _batches(chunks, nchunks, batch):
         f, la, mg = parts
         first[lo:hi], last[lo:hi], max_gap[lo:hi] = f, la, mg
-        total.feed(kept)
-    return TokenSpans(first, last, n, max_gap, n_gaps, total.total(), chunks, nchunks, batch)
+        if keep:
+            gaps[g:g + len(kept)] = kept
+            g += len(kept)
+        else:
+            total.feed(kept)
+    gap_sum = float(np.sum(gaps)) if keep else total.total()
+    return TokenSpans(first, last, n, max_gap, n_gaps, gap_sum, chunks, nchunks, batch, gaps if keep else None)
 
 
 def _counts(chunks: list[np.ndarray], nchunks: list[int]) -> np.ndarray:
