@@ -133,8 +133,8 @@ def report(rows: list[dict], sweep: list[dict], args: argparse.Namespace, wall: 
             note = "measured" if r["requests"] >= 1_000_000 else \
                 f"EXTRAPOLATED linearly from {r['requests']:,} requests, not measured"
             lines.append(f"| {p}: 1 M req on 1,000 instances <= {TARGET_1M_S.get(p, math.nan):.0f} s | CPU {cpu:,.0f} s, "
-                         f"wall {est:,.0f} s ({note}; peak RSS {r['rss_mib'] * scale / 1024:,.1f} GiB at that rate, "
-                         f"an upper bound: the interpreter's own ~80 MiB scaled too) | "
+                         f"wall {est:,.0f} s ({note}; peak RSS {r['rss_mib'] * scale / 1024:,.1f} GiB"
+                         f"{'' if scale == 1 else ' at that rate, an upper bound: the interpreter’s own ~80 MiB scaled too'}) | "
                          f"{'yes' if cpu <= TARGET_1M_S.get(p, math.inf) else 'no'} (CPU) |")
     revs = sorted({r["revision"] for r in rows if r.get("revision")})
     if revs and revs != [revision()]:  # points reused from an earlier run (--resume)
