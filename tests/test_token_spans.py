@@ -63,3 +63,18 @@ def test_compact_keeps_the_times_in_one_array_of_its_own() -> None:
     st.compact()
     assert len(st.token_times) == 1 and st.token_times[0].base is None
     assert st.all_token_times().tolist() == before and st.num_output == 5
+
+
+def test_streamed_summary_equals_the_kept_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with more gaps than KEEP_GAPS streams them (`exact_stats`); its summary is the
+    same, float for float, as when they are kept in one array."""
+    from flowyard.core import token_spans as ts
+    from flowyard.core.metrics import summarize
+    from flowyard.sim.run import SimConfig, build_simulator
+
+    states = build_simulator(SimConfig(trace="azure-conv", duration=60.0, instances=2)).run().states
+    kept = summarize(states).to_dict()
+    monkeypatch.setattr(ts, "KEEP_GAPS", 0)
+    spans = ts.token_spans([c for s in states for c in s.token_times], [len(s.token_times) for s in states])
+    assert spans.kept is None and spans.n_gaps > 1000
+    assert summarize(states).to_dict() == kept

@@ -106,6 +106,8 @@ class ClusterCore:
         # an executor that knows when each instance changes keeps score-ordered indexes
         # (`flowyard.cluster.index`); policies fall back to scanning snapshots without one
         self.ranked = getattr(transport, "ranked", None)
+        # `index.least`'s member list per index name (those sets are fixed when indexed)
+        self.least_members: dict[str, list[int]] = {}
         self._decode_role = Role.DECODE in policy.roles
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
 

@@ -148,7 +148,12 @@ def least(view, name: str, score: Score, ids: Callable[[], Iterable[int]]) -> in
     keeps one (`view.ranked`), else by reading every snapshot. ids() must be the same set every
     time a given name is asked for (use `RankedInstances` directly for dynamic sets)."""
     ranked = getattr(view, "ranked", None)
-    members = list(ids())
+    memo: dict[str, list[int]] | None = getattr(view, "least_members", None) if ranked is not None else None
+    members = memo.get(name) if memo is not None else None
+    if members is None:  # a fixed set per name with an index: listed once, not per arrival
+        members = list(ids())
+        if memo is not None:
+            memo[name] = members
     if ranked is not None and len(members) >= INDEX_MIN:
         return ranked(name, score, lambda: members).least()
     ids = members

@@ -21,7 +21,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from flowyard.core.request import RequestState, Status
-from flowyard.core.token_spans import token_spans
+from flowyard.core.exact_stats import percentiles
+from flowyard.core.token_spans import TokenSpans, token_spans
 
 EPS = 1e-9
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
@@ -91,6 +92,18 @@ def stats(values: np.ndarray, *, scratch: bool = False) -> dict[str, float]:
     mean = float(np.mean(values))
     pct = np.percentile(values, list(PERCENTILES.values()), overwrite_input=scratch)
     return {"mean": mean, **{k: float(v) for k, v in zip(PERCENTILES, pct)}}
+
+
+def streamed_stats(spans: TokenSpans) -> dict[str, float]:
+    """`stats` of every gap of `spans`, the same floats, without holding all the gaps at once
+    (`exact_stats`: numpy's pairwise sum and percentile, replayed over batches of gaps)."""
+    n = spans.n_gaps
+    if spans.kept is not None:  # few enough to be kept: numpy on the array itself
+        return stats(spans.kept, scratch=True)
+    if n == 0:
+        return stats(np.empty(0))
+    pct = percentiles(spans.gap_batches, n, list(PERCENTILES.values()))
+    return {"mean": float(np.float64(spans.gap_sum) / n), **{k: float(v) for k, v in zip(PERCENTILES, pct)}}
 
 
 @dataclass(slots=True)
@@ -183,11 +196,11 @@ def summarize(states: Sequence[RequestState], *, duration: float | None = None,
         out.duration_s = duration if duration is not None else 0.0
         return out
 
-    # per-request first/last token, count and largest gap, and every gap, a batch of requests
-    # at a time (`token_spans`: the peak holds one copy of the gaps, not three of the tokens)
+    # per-request first/last token, count and largest gap, and the gaps' sum, a batch of
+    # requests at a time (`token_spans`: the gaps are never all held at once)
     spans = token_spans(chunks, nchunks)
     del chunks
-    first, last, n, max_gap, gap_values = spans.first, spans.last, spans.n, spans.max_gap, spans.gaps
+    first, last, n, max_gap = spans.first, spans.last, spans.n, spans.max_gap
     has, multi = n > 0, n >= 2
     arr = np.asarray(arrival)
     tpot_v = np.where(multi, (last - first) / np.maximum(n - 1, 1), np.nan)
@@ -210,7 +223,7 @@ def summarize(states: Sequence[RequestState], *, duration: float | None = None,
     out.ttft = stats(ttft_v[has])
     out.tpot = stats(tpot_v[multi])
     out.e2e = stats((last - arr)[has])
-    out.tbt = stats(gap_values, scratch=True)
+    out.tbt = streamed_stats(spans)
     out.itl = dict(out.tbt)
     out.slo_attainment = float(meets.sum()) / n_req
     if duration > 0:

@@ -57,6 +57,8 @@ class BatchShape:
     @classmethod
     def of(cls, prefills: list[tuple[int, int]], decode_ctxs: list[int]) -> "BatchShape":
         """Build from (history, n) pairs for prefill slices and context lengths for decodes."""
+        if not prefills and not decode_ctxs:  # a decode-only step's prefill part: the zeros below
+            return cls()
         return cls(
             prefill_tokens=sum(n for _, n in prefills),
             prefill_seqs=len(prefills),

@@ -2,21 +2,30 @@
 
 The token times of a run are stored as numpy chunks per request (`RequestState.token_times`).
 `summarize` needs, per completed request, its first and last token time, its token count and
-its largest gap, and, over the whole run, every gap (TBT percentiles). Concatenating every
-request's chunks at once holds a second copy of all token times, then their gaps, then the gaps
-again without the ones that straddle two requests: a million requests' tokens three times
-over. Here a batch of requests is concatenated at a time and its gaps are written into one
-preallocated array, so the peak is the stored tokens plus one copy of the gaps. The values,
-and their order, are the same as the one-shot computation's.
+its largest gap, and, over the whole run, the mean and percentiles of every gap (TBT). Holding
+every gap at once would be a second copy of all token times (a million requests: about two
+hundred million gaps). Here a batch of requests is concatenated at a time; the gaps of each
+batch feed numpy's pairwise sum as they come (`exact_stats.PairwiseSum`), and
+`TokenSpans.gap_batches` makes them again, in the same order, for the percentile passes
+(`exact_stats.percentiles`). The values are those of the one-shot computation on the
+concatenated gaps, bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
-BATCH_REQUESTS = 8192  # completed requests concatenated at a time (their tokens, three times, at peak)
+from flowyard.core.exact_stats import PairwiseSum
+
+# completed requests concatenated at a time: their tokens a few times over at peak (a batch's
+# concatenation, gaps and the sum's or selection's scratch), so a few tens of MB
+BATCH_REQUESTS = 2048
+# Up to this many gaps (32 MiB) they are simply kept in one array: streaming them costs more
+# time than the copy costs memory in a small run (a sweep runs thousands of those)
+KEEP_GAPS = 1 << 22
 
 
 @dataclass(slots=True)
@@ -25,13 +34,65 @@ class TokenSpans:
     last: np.ndarray  # last token time (NaN without tokens)
     n: np.ndarray  # tokens (int64)
     max_gap: np.ndarray  # largest gap between consecutive tokens (NaN with fewer than 2)
-    gaps: np.ndarray  # every gap inside a request, request after request
+    n_gaps: int  # gaps inside requests, all requests together
+    gap_sum: float  # their np.sum in request order (numpy's pairwise summation)
+    _chunks: list[np.ndarray] = field(repr=False)
+    _nchunks: list[int] = field(repr=False)
+    _batch: int = field(repr=False)
+    kept: np.ndarray | None = None  # every gap in one array, when there are at most KEEP_GAPS
+
+    def gap_batches(self) -> Iterator[np.ndarray]:
+        """Every gap inside a request, request after request, a batch of requests at a time."""
+        if self.kept is not None:
+            yield self.kept
+            return
+        for kept, _, _, _ in _batches(self._chunks, self._nchunks, self._batch):
+            yield kept
+
+    @property
+    def gaps(self) -> np.ndarray:
+        """All gaps in one array (small runs and tests; summarize streams large ones)."""
+        if self.kept is not None:
+            return self.kept
+        parts = list(self.gap_batches())
+        return np.concatenate(parts) if parts else np.empty(0)
 
 
 def token_spans(chunks: list[np.ndarray], nchunks: list[int], batch: int = BATCH_REQUESTS) -> TokenSpans:
     """Spans of requests whose token chunks are `chunks`, `nchunks[r]` of them for request r."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    n = _counts(chunks, nchunks)
+    m = len(n)
+    first, last, max_gap = np.full(m, np.nan), np.full(m, np.nan), np.full(m, np.nan)
+    n_gaps = int(np.maximum(n - 1, 0).sum())
+    keep = n_gaps <= KEEP_GAPS
+    total = PairwiseSum(0 if keep else n_gaps)
+    gaps = np.empty(n_gaps if keep else 0)
+    g = 0
+    for kept, lo, hi, parts in _batches(chunks, nchunks, batch):
+        f, la, mg = parts
+        first[lo:hi], last[lo:hi], max_gap[lo:hi] = f, la, mg
+        if keep:
+            gaps[g:g + len(kept)] = kept
+            g += len(kept)
+        else:
+            total.feed(kept)
+    gap_sum = float(np.sum(gaps)) if keep else total.total()
+    return TokenSpans(first, last, n, max_gap, n_gaps, gap_sum, chunks, nchunks, batch, gaps if keep else None)
+
+
+def _counts(chunks: list[np.ndarray], nchunks: list[int]) -> np.ndarray:
+    nch = np.asarray(nchunks, dtype=np.int64)
+    clen = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
+    cum = np.concatenate(([0], np.cumsum(clen)))
+    cend = np.cumsum(nch)
+    return cum[cend] - cum[cend - nch]
+
+
+def _batches(chunks: list[np.ndarray], nchunks: list[int], batch: int):
+    """Per batch of requests [lo, hi): its gaps (request after request) and its requests'
+    (first, last, max gap)."""
     nch = np.asarray(nchunks, dtype=np.int64)
     clen = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
     cum = np.concatenate(([0], np.cumsum(clen)))
@@ -39,9 +100,6 @@ def token_spans(chunks: list[np.ndarray], nchunks: list[int], batch: int = BATCH
     cstart = cend - nch
     n = cum[cend] - cum[cstart]
     m = len(nch)
-    first, last, max_gap = np.full(m, np.nan), np.full(m, np.nan), np.full(m, np.nan)
-    gaps = np.empty(int(np.maximum(n - 1, 0).sum()))
-    g = 0
     for lo in range(0, m, batch):
         hi = min(m, lo + batch)
         c0, c1 = int(cstart[lo]), int(cend[hi - 1])
@@ -51,8 +109,8 @@ def token_spans(chunks: list[np.ndarray], nchunks: list[int], batch: int = BATCH
         start = cum[cstart[lo:hi]] - cum[c0]
         end = start + n[lo:hi]
         has = n[lo:hi] > 0
-        first[lo:hi] = np.where(has, all_t[start], np.nan)
-        last[lo:hi] = np.where(has, all_t[end - 1], np.nan)
+        first = np.where(has, all_t[start], np.nan)
+        last = np.where(has, all_t[end - 1], np.nan)
         # the gaps that straddle two requests become -inf, so a max over a request's span
         # ignores them; then they are dropped
         d = np.diff(all_t[:-1])
@@ -60,10 +118,8 @@ def token_spans(chunks: list[np.ndarray], nchunks: list[int], batch: int = BATCH
         bounds = start[has & (start > 0)] - 1
         d[bounds[bounds < len(d)]] = -np.inf
         multi = n[lo:hi] >= 2
+        max_gap = np.full(hi - lo, np.nan)
         if multi.any():
-            max_gap[lo:hi][multi] = np.maximum.reduceat(d, start[multi])
+            max_gap[multi] = np.maximum.reduceat(d, start[multi])
         kept = d[d != -np.inf] if len(bounds) else d
-        gaps[g:g + len(kept)] = kept
-        g += len(kept)
-    assert g == len(gaps)
-    return TokenSpans(first, last, n, max_gap, gaps)
+        yield kept, lo, hi, (first, last, max_gap)

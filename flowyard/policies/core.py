@@ -278,11 +278,18 @@ class LocalCore(LocalScheduler):
                     or self.selector.has_work())
 
     def snapshot(self) -> InstanceSnapshot:
-        partial = sum(1 for r in self.running if r.in_prefill)
+        # in_prefill and seq_len written out: global policies take a snapshot of every
+        # instance that changed, on every arrival
+        partial = tokens = 0
+        for r in self.running:
+            seq = r.req.prompt_len + r.num_output
+            tokens += seq
+            if seq - r.num_computed > 1 or r.num_output == 0:
+                partial += 1
         m = self.monitor
         snap = InstanceSnapshot(
             instance=self.instance, role=self.role, num_running=len(self.running), num_waiting=0,
-            waiting_tokens=0, running_tokens=sum(r.seq_len for r in self.running),
+            waiting_tokens=0, running_tokens=tokens,
             kv_free_blocks=self.kv.num_free_blocks + self._reserved_ahead(),
             kv_total_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
             num_migrating_in=len(self.migrations), incoming_tokens=self.migrations.tokens(),

@@ -17,6 +17,7 @@ deadlocks between the instances of a pair.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,22 @@ class LocalConfig:
             raise ValueError("fixed_prefill must be positive (or None for Alg. 2's SLO-aware budget)")
 
 
+# cost model -> grid -> (model_time memo, _grid_times memo), shared by every instance's table:
+# the cost model's times are a pure function of the shape, so the tables of a thousand
+# instances keep one copy instead of filling a thousand (most of a large run's memory)
+_MEMOS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memos(cost: CostModel, grid: tuple[int, ...]) -> tuple[dict, dict]:
+    per = _MEMOS.get(cost)
+    if per is None:
+        per = _MEMOS[cost] = {}
+    memo = per.get(grid)
+    if memo is None:
+        memo = per[grid] = ({}, {})
+    return memo
+
+
 class ProfileTable:
     """Measured/predicted step-time ratios by (decode count, context, prefill) bucket.
 
@@ -86,10 +103,9 @@ class ProfileTable:
         self._global_used = 1.0
         self.samples = 0
         self._budget: dict[tuple[int, int], int] = {}
-        self._model_times: dict[tuple[int, float, int, int], float] = {}
         self._grid = [g for g in PREFILL_GRID[1:] if g <= cfg.max_prefill]  # budgets tried, in order
         self._grid_buckets = [_bucket(g) for g in self._grid]
-        self._grid_cache: dict[tuple[float, int, int], list[float]] = {}
+        self._model_times, self._grid_cache = _memos(cost, tuple(self._grid))
 
     def _grid_times(self, ctx: float, n: int, history: int) -> list[float]:
         """model_time of every grid budget at this (bucketed) composition, computed once."""

@@ -12,6 +12,17 @@ from flowyard.core.request import RequestState
 from flowyard.policies.slack import deadline
 
 TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
+# k -> the EWMA weights of k steps, oldest first: a run of k steps always folds with the same
+# array (k is at most a core's max_repeats), so it is computed once per k, not once per run
+_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def _weights(k: int) -> np.ndarray:
+    w = _WEIGHTS.get(k)
+    if w is None:
+        a = TOKEN_INTERVAL_ALPHA
+        w = _WEIGHTS[k] = a * (1 - a) ** np.arange(k - 1, -1, -1)
+    return w
 
 
 class StepMonitor:
@@ -57,10 +68,13 @@ class StepMonitor:
             e = self.token_interval
             self.token_interval = x if e is None else (1 - a) * e + a * x
         else:
-            xs = np.diff(np.concatenate(([prev], np.asarray(times, dtype=float))))
-            k = len(xs)
+            t = np.asarray(times, dtype=float)
+            k = len(t)
+            xs = np.empty(k)  # np.diff of [prev, *t]: the same subtractions, without two copies
+            xs[0] = prev
+            xs[1:] = t[:-1]
+            np.subtract(t, xs, out=xs)
             e = self.token_interval if self.token_interval is not None else float(xs[0])
-            w = a * (1 - a) ** np.arange(k - 1, -1, -1)
-            self.token_interval = float((1 - a) ** k * e + w @ xs)
+            self.token_interval = float((1 - a) ** k * e + _weights(k) @ xs)
         self._decode_end = end
         self.plan_start = end

@@ -272,8 +272,12 @@ class ChunkedSelector(PrefillSelector):
 
     # -- views -------------------------------------------------------------------------------
     def fill(self, snap: InstanceSnapshot) -> None:
-        started = [r for r in self.core.running if r.in_prefill]
+        started = [r for r in self.core.running
+                   if r.req.prompt_len + r.num_output - r.num_computed > 1 or r.num_output == 0]  # in_prefill
         snap.num_waiting = len(self._waiting)
+        if not started and not self._waiting:  # nothing queued: the snapshot's empty defaults
+            snap.waiting_tokens = self._waiting_tokens
+            return
         snap.waiting_tokens = self._waiting_tokens + sum(r.uncomputed for r in started)
         snap.prefill_queue = tuple((r.num_computed, r.uncomputed) for r in started) \
             + tuple((w[2].num_computed, w[3]) for w in self._waiting)

@@ -55,7 +55,7 @@ class SimInstance:
         w.prefill_tokens += float(shape.prefill_tokens) * steps
         w.decode_tokens += float(shape.decode_seqs) * steps
         w.attn_pairs += float(shape.prefill_attn) * steps + float(
-            np.sum(ctx[done:done + steps]) if np.ndim(ctx) else ctx * steps)
+            ctx[done:done + steps].sum() if type(ctx) is np.ndarray and ctx.ndim else ctx * steps)
         self.shape_done = done + steps
 
 
