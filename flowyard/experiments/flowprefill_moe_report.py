@@ -10,9 +10,9 @@ import math
 
 from flowyard.costmodel import get_model
 from flowyard.costmodel.moe import distinct_experts
-from flowyard.experiments.common import (Report, Threshold, band_verdict, curve_panel, figure, fmt_x, log_x, ratio,
-                                         save)
+from flowyard.experiments.common import (Report, Threshold, band_verdict, fmt_x, ratio)
 from flowyard.experiments.flowprefill_moe import MOE_MODEL, PAPER_BASELINES, MoEResult
+from flowyard.experiments.flowprefill_plots import goodput_and_slo_figure
 
 FP = "FlowPrefill"
 #: §6.5, Fig. 17: FlowPrefill over DistServe-CP2K and -CP8K, "up to" each
@@ -62,17 +62,8 @@ def moe_section(moe: MoEResult | None, rep: Report) -> None:
     rep.table(["system", "goodput (req/s)", "FlowPrefill / system", "min SLO scale", "system / FlowPrefill"],
               [[n, m.goodput[n].text(), fmt_x(ratio(m.goodput[FP].value, m.goodput[n].value)),
                 m.min_slo[n].text(), fmt_x(ratio(m.min_slo[n].value, m.min_slo[FP].value))] for n in moe.systems])
-    fig, (a, b) = figure(2)
-    curve_panel(a, {n: t.curve for n, t in m.goodput.items()}, xlabel="request rate (req/s)",
-                marks={n: t.value for n, t in m.goodput.items()}, title=f"{m.label}: attainment vs rate")
-    curve_panel(b, {n: t.curve for n, t in m.min_slo.items()}, xlabel="SLO scale",
-                marks={n: t.value for n, t in m.min_slo.items()},
-                title=f"{m.label}: attainment vs SLO scale at {m.slo_rate:.2f} req/s")
-    xs = [x for t in m.min_slo.values() for x, _ in t.curve]
-    if xs:
-        log_x(b, [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64) if min(xs) / 1.01 <= t <= max(xs) * 1.01])
     file = f"fig17_{m.model}.png"
-    save(fig, rep.figure_path(file))
+    goodput_and_slo_figure(m, file, rep)
     rep.image(file, f"Fig. 17 {m.label}")
     rep.add("\n".join(_notes(moe, r)))
 

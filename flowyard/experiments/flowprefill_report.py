@@ -11,11 +11,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from flowyard.experiments.common import (Report, Threshold, band_verdict, bar_panel, curve_panel, figure,
-                                         fmt_ms, fmt_range, fmt_x, log_x, ratio, save, source_revision)
+                                         fmt_ms, fmt_range, fmt_x, ratio, save, source_revision)
 from flowyard.experiments.flowprefill import (HARDWARE, MODELS, PRIMARY, SENSITIVITY_SYSTEMS, SYSTEMS, TARGET,
                                               Results)
 from flowyard.experiments.figures import NOT_BUILT_HEADING
 from flowyard.experiments.flowprefill_moe_report import moe_json, moe_section
+from flowyard.experiments.flowprefill_plots import goodput_and_slo_figure
 from flowyard.experiments.flowprefill_coloc import PAPER_TBT_UP_TO, tbt_verdict, write_section
 from flowyard.experiments.flowprefill_coloc import to_json as coloc_json
 from flowyard.experiments.flowprefill_notes import PAPER, PAPER_OP_BLOCKING_MAX_MS, cost_figures, differences, not_reproduced
@@ -132,16 +133,8 @@ def _setup(res: Results, rep: Report) -> None:
 def _fig9(res: Results, rep: Report) -> None:
     rep.add("## End-to-end (Fig. 9)")
     for m in res.e2e:
-        fig, (a, b) = figure(2)
-        curve_panel(a, {n: t.curve for n, t in m.goodput.items()}, xlabel="request rate (req/s)",
-                    marks={n: t.value for n, t in m.goodput.items()}, title=f"{m.label}: attainment vs rate")
-        curve_panel(b, {n: t.curve for n, t in m.min_slo.items()}, xlabel="SLO scale",
-                    marks={n: t.value for n, t in m.min_slo.items()},
-                    title=f"{m.label}: attainment vs SLO scale at {m.slo_rate:.2f} req/s")
-        xs = [x for t in m.min_slo.values() for x, _ in t.curve]
-        log_x(b, [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64) if min(xs) / 1.01 <= t <= max(xs) * 1.01])
         file = f"fig9_{m.model}.png"
-        save(fig, rep.figure_path(file))
+        goodput_and_slo_figure(m, file, rep)
         rows = [[n, m.goodput[n].text(), fmt_x(ratio(m.goodput[FP].value, m.goodput[n].value)),
                  m.min_slo[n].text(), fmt_x(ratio(m.min_slo[n].value, m.min_slo[FP].value))] for n in SYSTEMS]
         rep.add(f"### {m.label} (C = {m.capacity:.2f} req/s; SLO sweep at {m.slo_rate:.2f} req/s)")
