@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="requests per point (default 24; quick 10)")
     ap.add_argument("--evals", type=int, default=4, help="real rates tried per goodput search")
     ap.add_argument("--out", default="docs/results/real_cluster.md")
-    ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir)")
+    ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
+                                                     "rerunning with the same one resumes")
     ap.add_argument("--model", default=None, help="served model (default: the embedded SmolLM2-135M)")
     args = ap.parse_args()
     quick = args.quick
@@ -84,7 +85,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig(requests=args.requests or (10 if quick else 24), evals=args.evals, model=args.model)
     started = time.time()
-    rows: list[dict] = []
+    done = work / "rows.json"  # a rerun with the same --work-dir resumes: finished cells are kept
+    rows: list[dict] = json.loads(done.read_text()) if done.exists() else []
+    have = {(r["executor"], r["policy"], r["workload"]) for r in rows}
     for executor in executors:
         prof_path = work / f"profile-{executor}.json"
         if not prof_path.exists():
@@ -94,8 +97,12 @@ def main() -> None:
         slos = engine_slos(cost)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
         for policy in policies:
+            if all((executor, policy, name) in have for name in ws):
+                continue
             with Server(policy, executor, prof_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():
+                    if (executor, policy, name) in have:
+                        continue
                     shared = executor == "local"
                     sim = search(lambda r: sim_point(w, r, policy, cost, shared)["attainment"],
                                  w.guess, 8, policy)
