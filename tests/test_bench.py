@@ -462,3 +462,34 @@ def test_requests_carry_their_slos_when_asked(fake):
     assert f.headers == [{}, {}]
     with pytest.raises(ValueError, match="send-slo needs SLOs"):
         run_bench(url, w, request_rate=float("inf"), calibrate_prompts=False, send_slo=True)
+
+
+def test_one_token_with_empty_text_sent_with_finish_reason_counts_as_generated():
+    """max_tokens=1 may sample a special token: its text is empty and its chunk carries
+    finish_reason, so it looks like framing; the server's usage says one token was generated,
+    so the request succeeded (the benchmark's first probe failed on a fresh server before)."""
+    import asyncio
+
+    import httpx
+
+    from flowyard.bench.client import stream_request
+
+    def chunk(obj):
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    def reply(usage_tokens):
+        body = (chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}]})
+                + chunk({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "length"}]})
+                + chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": usage_tokens}})
+                + "data: [DONE]\n\n")
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+    async def go(usage_tokens):
+        async with httpx.AsyncClient(transport=reply(usage_tokens)) as client:
+            return await stream_request(client, "http://x/v1/chat/completions", {})
+
+    out = asyncio.run(go(1))
+    assert not out.error and len(out.token_times) == 1 and out.completion_tokens == 1
+    nothing = asyncio.run(go(0))  # the server says nothing was generated: still an error
+    assert nothing.error == "stream ended without any generated token"

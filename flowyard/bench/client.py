@@ -169,6 +169,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
 
 async def _consume(resp: httpx.Response, out: RequestOutput) -> None:
     parts: list[str] = []
+    finish_at: float | None = None  # when a choice carried finish_reason (maybe with the last token)
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, SSE comments (": ping"), event:/id: fields
@@ -189,6 +190,8 @@ async def _consume(resp: httpx.Response, out: RequestOutput) -> None:
             out.kind, out.error = "http", f"error in stream: {msg}"
             return
         for choice in obj.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("finish_reason") is not None and finish_at is None:
+                finish_at = now
             text = _chunk_text(choice) if isinstance(choice, dict) else None
             if text is not None:
                 out.token_times.append(now)
@@ -200,6 +203,10 @@ async def _consume(resp: httpx.Response, out: RequestOutput) -> None:
                 out.prompt_tokens = usage["prompt_tokens"]
             if isinstance(usage.get("completion_tokens"), int):
                 out.completion_tokens = usage["completion_tokens"]
+    if not out.token_times and finish_at is not None and (out.completion_tokens or 0) >= 1:
+        # one token whose text is empty (a special token), sent with finish_reason, so it
+        # looked like framing: the server's usage says it was generated, then
+        out.token_times.append(finish_at)
     out.text = "".join(parts)
 
 
