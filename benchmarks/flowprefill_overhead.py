@@ -37,10 +37,10 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.request import SLO, Request, RequestState
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
-from flowyard.policies.local import BatchConfig, BatchScheduler
-from flowyard.policies.slack import TTFTPredictor
+from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
+from flowyard.policies.framework.slack import TTFTPredictor
 
 TASK_SLOS = (0.25, 0.5, 1.0, 2.0, 4.0, 6.0)
 NOW = 100.0

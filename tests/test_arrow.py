@@ -13,8 +13,8 @@ from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.arrow_pools import ElasticPools, Pool, QuadraticTTFT, chunked_prefill_time
-from flowyard.policies.base import InstanceSnapshot, Role
-from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 from flowyard.policies.registry import Policy, PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator

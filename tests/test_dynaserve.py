@@ -12,13 +12,13 @@ from conftest import FixedLink, LinearCost, make_requests
 from flowyard.core.metrics import summarize
 from flowyard.core.request import Request
 from flowyard.costmodel import make_cost_model
-from flowyard.policies.base import InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
 from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
 from flowyard.policies.dynaserve_predict import (EmpiricalLengthPredictor, NoisyLengthPredictor,
                                                  OracleLengthPredictor, make_length_predictor)
 from flowyard.policies.dynaserve_vbatch import Segment, VirtualBatch
-from flowyard.policies.local import BatchConfig
+from flowyard.policies.framework.continuous_batching import BatchConfig
 from flowyard.policies.registry import Policy, PolicyOptions, build_policy
 from flowyard.policies.routers import RoundRobin
 from flowyard.sim.cluster import Topology

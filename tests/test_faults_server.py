@@ -12,7 +12,7 @@ from test_server import C, P, FakeEngine, chat_body, cmpl_body, sse
 from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.core.request import SLO, Request, RequestState
 from flowyard.engine.protocol import EngineStats, EngineUnavailableError
-from flowyard.policies.base import InstanceSnapshot, Role, StepResult
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role, StepResult
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy
 from flowyard.server import build_app
 

@@ -13,10 +13,10 @@ from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import LAYER_OPS
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.registry import PolicyOptions, build_policy
-from flowyard.policies.slack import priority_key
+from flowyard.policies.framework.slack import priority_key
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator
 

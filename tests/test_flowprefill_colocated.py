@@ -8,7 +8,7 @@ import pytest
 from flowyard.core.request import SLO, Request
 from flowyard.costmodel import make_cost_model
 from flowyard.experiments.common import objective_attainment
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.registry import POLICY_SPECS, PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator

@@ -17,11 +17,11 @@ from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, Request, RequestState
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import with_error
-from flowyard.policies import slack
-from flowyard.policies.base import Role
-from flowyard.policies.core import LocalCore
+from flowyard.policies.framework import slack
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.local_core import LocalCore
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler, FlowPrefillSelector, Task
-from flowyard.policies.slack import TTFTPredictor, extended
+from flowyard.policies.framework.slack import TTFTPredictor, extended
 
 COST = make_cost_model("llama-3-8b", "a800")
 

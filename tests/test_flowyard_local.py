@@ -15,9 +15,9 @@ from hypothesis import strategies as hs
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput
 from flowyard.core.request import SLO, Request, RequestState
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.flowyard_local import flowyard_scheduler
-from flowyard.policies.order import moore_hodgson
+from flowyard.policies.framework.order import moore_hodgson
 from flowyard.costmodel import make_cost_model
 
 

@@ -189,7 +189,7 @@ def test_a_request_counted_into_a_stale_snapshot_delays_the_next_dispatch(cost):
     """Ray's snapshots are a step old: arrivals sent during the step are counted in
     (`InstanceSnapshot.count_in`), so the delay-based dispatcher spreads a burst instead of
     sending all of it to the instance that looked idle."""
-    from flowyard.policies.base import InstanceSnapshot, Role
+    from flowyard.policies.framework.contracts import InstanceSnapshot, Role
     snaps = {i: InstanceSnapshot(i, Role.MIXED, 0, 0, 0, 0, 1000, 1000, 16) for i in (0, 1)}
     busy = snaps[0]  # decodes 40 requests: the decode-step rule alone would send every prompt to 1
     busy.num_running = busy.num_decoding = 40
@@ -228,7 +228,7 @@ def test_parking_prefills_ahead_of_a_decode_place_and_never_widens_the_decode_ba
     import numpy as np
     from flowyard.core.kvcache import KVCacheManager
     from flowyard.core.plan import StepOutput
-    from flowyard.policies.base import Role
+    from flowyard.policies.framework.contracts import Role
     from flowyard.policies.flowyard_local import flowyard_scheduler
     core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(400, 16), cost, max_num_seqs=2, max_repeats=1, park=park)
     states = [RequestState(Request(id=k, arrival=0.0, prompt_len=32, output_len=40, slo=SLO(ttft=5.0, tpot=1.0)))

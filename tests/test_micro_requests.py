@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import LinearCost, make_requests
-from flowyard.policies.base import Role
-from flowyard.policies.local import BatchConfig
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.continuous_batching import BatchConfig
 from flowyard.policies.registry import Policy
 from flowyard.policies.routers import RoundRobin
 from flowyard.sim.run import SimConfig, build_topology

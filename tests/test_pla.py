@@ -12,8 +12,8 @@ from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.awd import AWDConfig, AWDState
-from flowyard.policies.base import Role
-from flowyard.policies.core import LocalCore
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.local_core import LocalCore
 from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig
 from flowyard.policies.registry import PolicyOptions, build_policy

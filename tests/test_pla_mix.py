@@ -8,7 +8,7 @@ import pytest
 from conftest import FixedLink, LinearCost
 from flowyard.core.request import SLO, Request, Status
 from flowyard.costmodel import make_cost_model
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.pla import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology

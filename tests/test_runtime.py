@@ -8,7 +8,7 @@ from helpers_models import tiny_model
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.runtime.cluster import LocalCluster
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import FixedLink, LinearCost, make_requests
 from flowyard.core.request import SLO, Request, Status
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, UnknownPolicyError, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import LinearCost, make_requests
 from flowyard.core.request import SLO
-from flowyard.policies.base import Role
-from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 from flowyard.policies.registry import Policy
 from flowyard.policies.routers import RoundRobin
 from flowyard.sim.run import SimConfig, build_topology

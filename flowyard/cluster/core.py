@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from flowyard.core.request import RequestState
-from flowyard.policies.base import GlobalScheduler, InstanceSnapshot, Role, StepResult
+from flowyard.policies.framework.contracts import GlobalScheduler, InstanceSnapshot, Role, StepResult
 
 
 class Transport(Protocol):

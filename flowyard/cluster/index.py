@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 from sortedcontainers import SortedList
 
-from flowyard.policies.base import InstanceSnapshot
+from flowyard.policies.framework.contracts import InstanceSnapshot
 
 Score = Callable[[InstanceSnapshot], Any]
 # Below this many candidates a scan of cached snapshots is cheaper than keeping an index up to

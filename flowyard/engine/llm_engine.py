@@ -31,8 +31,8 @@ from flowyard.engine.runner import ModelRunner
 from flowyard.engine.sampling import RequestOutput, SamplingParams, sample, top_logprobs
 from flowyard.engine.threads import ThreadTuner, shape_key, shared_tuner
 from flowyard.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from flowyard.policies.base import LocalScheduler, Role, StepResult
-from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.framework.contracts import LocalScheduler, Role, StepResult
+from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 
 def new_request(rid: int, arrival: float, prompt_ids: list[int], params: SamplingParams, slo: SLO | None,
                 max_model_len: int, **fields) -> Request:

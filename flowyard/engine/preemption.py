@@ -27,7 +27,7 @@ import torch
 from flowyard.core.plan import StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.engine.runner import ModelRunner
-from flowyard.policies.base import LocalScheduler
+from flowyard.policies.framework.contracts import LocalScheduler
 
 BLOCKING_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 

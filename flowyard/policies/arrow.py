@@ -42,7 +42,7 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
                                            max_running_tokens)
 from flowyard.policies.arrow_monitor import InstanceMonitor
-from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot
+from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot
 
 MODES = ("slo", "minload", "rr")
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from flowyard.policies.arrow_pools import DECODE_SIDE, ElasticPools, Pool, has_prefill_work
-from flowyard.policies.base import ClusterView, InstanceSnapshot
+from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot
 
 if TYPE_CHECKING:
     from flowyard.policies.arrow import ArrowConfig

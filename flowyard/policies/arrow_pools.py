@@ -23,8 +23,8 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import InstanceSnapshot
-from flowyard.policies.pools import Pools
+from flowyard.policies.framework.contracts import InstanceSnapshot
+from flowyard.policies.framework.pools import Pools
 
 
 class Pool(enum.Enum):

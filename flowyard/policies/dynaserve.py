@@ -26,7 +26,7 @@ import numpy as np
 
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot, Role
 from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
 from flowyard.policies.dynaserve_predict import LengthPredictor
 from flowyard.policies.dynaserve_vbatch import Estimate, Segment, VirtualBatch

@@ -26,9 +26,9 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
 from flowyard.core.request import RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import Role
-from flowyard.policies.core import LocalCore
-from flowyard.policies.selector import ChunkedSelector
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.local_core import LocalCore
+from flowyard.policies.framework.selector import ChunkedSelector
 
 # Prefill budgets the table answers with (tokens), and the bucket edges of its keys.
 PREFILL_GRID: tuple[int, ...] = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,

@@ -27,10 +27,10 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import PrefillSlice, StepPlan
 from flowyard.core.request import RequestState
 from flowyard.costmodel.base import LAYER_OPS, CostModel
-from flowyard.policies.base import InstanceSnapshot, Role
-from flowyard.policies.core import LocalCore
-from flowyard.policies.selector import PrefillSelector
-from flowyard.policies.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.local_core import LocalCore
+from flowyard.policies.framework.selector import PrefillSelector
+from flowyard.policies.framework.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
 
 GRANULARITY_STRIDE = {"operator": 1, "layer": len(LAYER_OPS), "chunk": 0}
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from flowyard.core.request import RequestState
 from flowyard.policies.arrow import ArrowRouter
 from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
-from flowyard.policies.base import ClusterView
+from flowyard.policies.framework.contracts import ClusterView
 from flowyard.policies.flowyard_regime import Choice, Load, RegimePricer, rate as _rate
 
 if TYPE_CHECKING:

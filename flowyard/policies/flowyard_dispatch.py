@@ -25,8 +25,8 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.core.request import Request
-from flowyard.policies.base import ClusterView, InstanceSnapshot
-from flowyard.policies.slack import deadline
+from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot
+from flowyard.policies.framework.slack import deadline
 
 if TYPE_CHECKING:
     from flowyard.policies.flowyard_policy import FlowyardRouter

@@ -62,11 +62,11 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import Role
-from flowyard.policies.core import LocalCore
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.local_core import LocalCore
 from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, ProfileTable
-from flowyard.policies.order import QueueOrder, moore_hodgson
-from flowyard.policies.slack import TTFTPredictor, given_up
+from flowyard.policies.framework.order import QueueOrder, moore_hodgson
+from flowyard.policies.framework.slack import TTFTPredictor, given_up
 
 INF = float("inf")
 PLACES = ("fcfs", "slack")

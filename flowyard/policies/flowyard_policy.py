@@ -58,12 +58,12 @@ from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
 from flowyard.policies.arrow_pools import PREFILL_SIDE
-from flowyard.policies.base import ClusterView
+from flowyard.policies.framework.contracts import ClusterView
 from flowyard.policies.flowyard_control import RegimeControl
 from flowyard.policies.flowyard_dispatch import indexed_pick
 from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
 from flowyard.policies.flowyard_local import PLACES, SHED_RATES
-from flowyard.policies.slack import deadline
+from flowyard.policies.framework.slack import deadline
 
 if TYPE_CHECKING:
     from flowyard.policies.registry import Policy
@@ -255,10 +255,10 @@ class FlowyardRouter(RegimeControl):
 def flowyard_policy(name: str, o) -> "Policy":
     """Assemble `flowyard` (registry entry): MIXED instances under a `Composed` global scheduler
     whose dispatcher, decode router and controller are one `FlowyardRouter`."""
-    from flowyard.policies.compose import Composed
-    from flowyard.policies.base import Role
+    from flowyard.policies.framework.compose import Composed
+    from flowyard.policies.framework.contracts import Role
     from flowyard.policies.flowyard_local import flowyard_scheduler
-    from flowyard.policies.local import BatchConfig
+    from flowyard.policies.framework.continuous_batching import BatchConfig
     from flowyard.policies.registry import Policy
 
     if o.predictor is None:

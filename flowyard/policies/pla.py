@@ -34,11 +34,11 @@ from flowyard.core.plan import PrefillSlice, StepPlan
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.awd import AWDConfig, AWDState
-from flowyard.policies.base import InstanceSnapshot, Role
-from flowyard.policies.core import LocalCore
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.local_core import LocalCore
 from flowyard.policies.pla_boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
-from flowyard.policies.selector import PrefillSelector
-from flowyard.policies.slack import TTFTPredictor, deadline
+from flowyard.policies.framework.selector import PrefillSelector
+from flowyard.policies.framework.slack import TTFTPredictor, deadline
 
 
 @dataclass(frozen=True, slots=True)

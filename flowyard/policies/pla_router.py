@@ -44,10 +44,10 @@ import numpy as np
 
 from flowyard.core.request import Request
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.base import ClusterView, InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot, Role
 from flowyard.policies.pla import is_short
 from flowyard.policies.pla_boundary import LengthModel
-from flowyard.policies.pools import Pools
+from flowyard.policies.framework.pools import Pools
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,17 +13,17 @@ from typing import Callable
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow import ArrowConfig, ArrowRouter
-from flowyard.policies.base import GlobalScheduler, LocalScheduler, Role
-from flowyard.policies.compose import Composed, MostFreeKVDecode, RoundRobinDispatch
+from flowyard.policies.framework.contracts import GlobalScheduler, LocalScheduler, Role
+from flowyard.policies.framework.compose import Composed, MostFreeKVDecode, RoundRobinDispatch
 from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
 from flowyard.policies.dynaserve_local import dynaserve_scheduler
 from flowyard.policies.dynaserve_predict import make_length_predictor
 from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.flowyard_policy import FlowyardConfig, flowyard_policy
-from flowyard.policies.local import BatchConfig, BatchScheduler
+from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
 from flowyard.policies.pla_router import ControllerConfig, PLARouter
-from flowyard.policies.slack import TTFTPredictor
+from flowyard.policies.framework.slack import TTFTPredictor
 from flowyard.policies.routers import (DistServeDispatch, LeastLoad, RoundRobin, RoundRobinPD,
                                        VllmDataParallel)
 

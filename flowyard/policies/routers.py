@@ -7,7 +7,7 @@ Ties break towards the lowest instance id, which keeps runs deterministic.
 
 from __future__ import annotations
 
-from flowyard.policies.compose import Composed, LeastScoreDispatch, MostFreeKVDecode, RoundRobinDispatch
+from flowyard.policies.framework.compose import Composed, LeastScoreDispatch, MostFreeKVDecode, RoundRobinDispatch
 
 
 class RoundRobin(Composed):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
-from flowyard.policies.base import InstanceSnapshot
+from flowyard.policies.framework.contracts import InstanceSnapshot
 from flowyard.policies.registry import Policy
 
 

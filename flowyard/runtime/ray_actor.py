@@ -23,7 +23,7 @@ from flowyard.core.request import RequestState
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
 from flowyard.engine.sampling import RequestOutput, SamplingParams
-from flowyard.policies.base import InstanceSnapshot, StepResult
+from flowyard.policies.framework.contracts import InstanceSnapshot, StepResult
 from flowyard.runtime.lockstep import LockstepActor
 from flowyard.runtime.ray_reports import StepCounters, StepReport, import_kv_chunks  # noqa: F401 - import_kv_chunks: tests
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.engine.sampling import RequestOutput
-from flowyard.policies.base import Role
+from flowyard.policies.framework.contracts import Role
 
 
 class RayFaults:

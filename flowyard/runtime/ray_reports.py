@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput
-from flowyard.policies.base import InstanceSnapshot, StepResult
+from flowyard.policies.framework.contracts import InstanceSnapshot, StepResult
 
 
 class StepCounters(NamedTuple):

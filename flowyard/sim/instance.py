@@ -8,7 +8,7 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape, StepPlan
 from flowyard.core.request import RequestState, Status
-from flowyard.policies.base import LocalScheduler
+from flowyard.policies.framework.contracts import LocalScheduler
 
 
 class SimInstance:

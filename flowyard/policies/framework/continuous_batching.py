@@ -15,10 +15,10 @@ from typing import Callable
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.request import RequestState
-from flowyard.policies.base import Role
-from flowyard.policies.core import LocalCore
-from flowyard.policies.order import ORDERS
-from flowyard.policies.selector import ChunkedSelector
+from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.local_core import LocalCore
+from flowyard.policies.framework.order import ORDERS
+from flowyard.policies.framework.selector import ChunkedSelector
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import Request, RequestState
-from flowyard.policies.slack import deadline
+from flowyard.policies.framework.slack import deadline
 
 
 class Role(enum.Enum):

@@ -23,11 +23,11 @@ from __future__ import annotations
 from flowyard.core.kvcache import KVCacheManager, cdiv
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
-from flowyard.policies.base import InstanceSnapshot, LocalScheduler, Role, StepResult
-from flowyard.policies.decode_run import reserve_run
-from flowyard.policies.migrations import Migrations
-from flowyard.policies.monitor import StepMonitor
-from flowyard.policies.selector import PrefillSelector
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role, StepResult
+from flowyard.policies.framework.decode_run import reserve_run
+from flowyard.policies.framework.migrations import Migrations
+from flowyard.policies.framework.step_monitor import StepMonitor
+from flowyard.policies.framework.selector import PrefillSelector
 
 
 class LocalCore(LocalScheduler):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flowyard.core.request import RequestState
-from flowyard.policies.slack import INF, PRIORITIES, deadline, priority_key
+from flowyard.policies.framework.slack import INF, PRIORITIES, deadline, priority_key
 
 ORDERS: tuple[str, ...] = ("fcfs", "edf", "priority") + tuple(p for p in PRIORITIES if p != "edf")
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from flowyard.core.plan import StepPlan
 from flowyard.core.request import RequestState
-from flowyard.policies.slack import deadline
+from flowyard.policies.framework.slack import deadline
 
 TOKEN_INTERVAL_ALPHA = 0.1  # EWMA weight of one decode step in the monitor's token interval
 # k -> the EWMA weights of k steps, oldest first: a run of k steps always folds with the same

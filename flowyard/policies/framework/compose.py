@@ -24,8 +24,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 from flowyard.cluster.index import least
 from flowyard.core.request import Request, RequestState
-from flowyard.policies.base import ClusterView, GlobalScheduler, InstanceSnapshot, Role
-from flowyard.policies.pools import Pools
+from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot, Role
+from flowyard.policies.framework.pools import Pools
 
 
 class Dispatcher(Protocol):

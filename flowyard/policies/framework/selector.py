@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Callable
 
 from flowyard.core.plan import PrefillSlice, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
-from flowyard.policies.base import InstanceSnapshot
-from flowyard.policies.order import QueueOrder
-from flowyard.policies.slack import deadline
+from flowyard.policies.framework.contracts import InstanceSnapshot
+from flowyard.policies.framework.order import QueueOrder
+from flowyard.policies.framework.slack import deadline
 
 if TYPE_CHECKING:
-    from flowyard.policies.core import LocalCore
+    from flowyard.policies.framework.local_core import LocalCore
 
 INF = float("inf")
 
