@@ -24,9 +24,9 @@ import numpy as np
 from flowyard.core.request import Request
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
-from flowyard.policies.dynaserve_predict import OracleLengthPredictor
-from flowyard.policies.routers import RoundRobin
+from flowyard.policies.dynaserve.split import DynaServeConfig, DynaServeRouter
+from flowyard.policies.dynaserve.lengths import OracleLengthPredictor
+from flowyard.policies.baselines.routers import RoundRobin
 
 
 class MirrorView:

@@ -38,7 +38,7 @@ from flowyard.core.request import SLO, Request, RequestState
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import Role
-from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 from flowyard.policies.framework.slack import TTFTPredictor
 

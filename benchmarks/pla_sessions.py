@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from flowyard.costmodel import make_cost_model
-from flowyard.policies.pla import PLAConfig
+from flowyard.policies.pla.selector import PLAConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology, load_workload
 from flowyard.sim.simulator import Simulator

@@ -11,11 +11,12 @@ from conftest import FixedLink, LinearCost, make_requests
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
-from flowyard.policies.arrow import ArrowConfig, ArrowRouter
-from flowyard.policies.arrow_pools import ElasticPools, Pool, QuadraticTTFT, chunked_prefill_time
+from flowyard.policies.arrow.router import ArrowConfig, ArrowRouter
+from flowyard.policies.arrow.pools import ElasticPools, Pool, QuadraticTTFT, chunked_prefill_time
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
-from flowyard.policies.registry import Policy, PolicyOptions, build_policy
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator
 

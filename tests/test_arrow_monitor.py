@@ -11,8 +11,8 @@ import pytest
 
 from conftest import FixedLink, LinearCost
 from flowyard.core.request import SLO, Request, RequestState
-from flowyard.policies.arrow import ArrowConfig
-from flowyard.policies.arrow_pools import Pool
+from flowyard.policies.arrow.router import ArrowConfig
+from flowyard.policies.arrow.pools import Pool
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator

@@ -13,14 +13,15 @@ from flowyard.core.metrics import summarize
 from flowyard.core.request import Request
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
-from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
-from flowyard.policies.dynaserve_predict import (EmpiricalLengthPredictor, NoisyLengthPredictor,
+from flowyard.policies.dynaserve.split import DynaServeConfig, DynaServeRouter
+from flowyard.policies.dynaserve.local_batch import LocalConfig, ProfileTable
+from flowyard.policies.dynaserve.lengths import (EmpiricalLengthPredictor, NoisyLengthPredictor,
                                                  OracleLengthPredictor, make_length_predictor)
-from flowyard.policies.dynaserve_vbatch import Segment, VirtualBatch
+from flowyard.policies.dynaserve.vbatch import Segment, VirtualBatch
 from flowyard.policies.framework.continuous_batching import BatchConfig
-from flowyard.policies.registry import Policy, PolicyOptions, build_policy
-from flowyard.policies.routers import RoundRobin
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.policies.baselines.routers import RoundRobin
 from flowyard.sim.cluster import Topology
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator
@@ -337,7 +338,7 @@ def test_prefill_budget_accounts_for_the_chunk_history():
     """A later chunk of a long prompt attends to every earlier token: its budget must be
     smaller than a first chunk's, or the step runs over the TBT SLO (bug: budgets ignored it)."""
     from flowyard.costmodel import make_cost_model
-    from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
+    from flowyard.policies.dynaserve.local_batch import LocalConfig, ProfileTable
 
     cost = make_cost_model("qwen2.5-14b", "a100-80g")
     table = ProfileTable(cost, LocalConfig())

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import LinearCost
 from flowyard.costmodel import make_cost_model
-from flowyard.policies.dynaserve_vbatch import Segment, VirtualBatch
+from flowyard.policies.dynaserve.vbatch import Segment, VirtualBatch
 from vbatch_reference import VirtualBatch as Reference
 
 COSTS = {"roofline": make_cost_model("llama-3-8b", "h100"), "linear": LinearCost()}

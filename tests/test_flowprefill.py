@@ -14,7 +14,7 @@ from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.base import LAYER_OPS
 from flowyard.policies.framework.contracts import Role
-from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig, FlowPrefillScheduler
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.policies.framework.slack import priority_key
 from flowyard.sim.run import SimConfig, build_topology

@@ -12,7 +12,7 @@ from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
-from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.runtime.cluster import LocalCluster
 

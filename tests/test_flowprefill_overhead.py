@@ -20,7 +20,7 @@ from flowyard.costmodel.base import with_error
 from flowyard.policies.framework import slack
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillScheduler, FlowPrefillSelector, Task
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig, FlowPrefillScheduler, FlowPrefillSelector, Task
 from flowyard.policies.framework.slack import TTFTPredictor, extended
 
 COST = make_cost_model("llama-3-8b", "a800")

@@ -1,10 +1,10 @@
-"""`flowyard`'s colocated dispatch from indexes (`flowyard_dispatch`) picks what the scan of
+"""`flowyard`'s colocated dispatch from indexes (`flowyard.dispatch`) picks what the scan of
 every snapshot picks: a run on enough instances to use the indexes decides every request the
 same way with them and without them."""
 
 from unittest import mock
 
-import flowyard.policies.flowyard_dispatch as fd
+import flowyard.policies.flowyard.dispatch as fd
 from flowyard.sim.run import SimConfig, build_cost_model, load_workload, simulate
 
 
@@ -28,7 +28,7 @@ def test_indexed_dispatch_decides_as_the_scan() -> None:
         calls.append(pick is not None)
         return pick
 
-    with mock.patch("flowyard.policies.flowyard_policy.indexed_pick", counted):
+    with mock.patch("flowyard.policies.flowyard.router.indexed_pick", counted):
         indexed = _outcomes(cfg, w, cost)
     assert sum(calls) > 0.5 * len(calls) > 0  # the indexes answered most arrivals
     with mock.patch.object(fd, "INDEX_MIN", 10**9):

@@ -1,4 +1,4 @@
-"""flowyard's local rules under overload and contention (`flowyard_local`): S-EDF plus
+"""flowyard's local rules under overload and contention (`flowyard.selector`): S-EDF plus
 Moore-Hodgson's choice of the prompts to give up, chunks that wait for KV instead of
 preempting, the TTFT rescue that spends decodes' banked TPOT slack, and decode places taken
 by least banked slack."""
@@ -16,7 +16,7 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput
 from flowyard.core.request import SLO, Request, RequestState
 from flowyard.policies.framework.contracts import Role
-from flowyard.policies.flowyard_local import flowyard_scheduler
+from flowyard.policies.flowyard.selector import flowyard_scheduler
 from flowyard.policies.framework.order import moore_hodgson
 from flowyard.costmodel import make_cost_model
 

@@ -1,5 +1,5 @@
-"""flowyard's regime controller (`flowyard_regime`), its elastic split and the local budget that
-spends banked TPOT slack (`flowyard_local`)."""
+"""flowyard's regime controller (`flowyard.regime`), its elastic split and the local budget that
+spends banked TPOT slack (`flowyard.selector`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from flowyard.core.request import SLO, Request, RequestState
-from flowyard.policies.arrow_pools import PREFILL_SIDE, QuadraticTTFT
-from flowyard.policies.flowyard_local import FlowyardSelector
-from flowyard.policies.flowyard_policy import FlowyardConfig, FlowyardRouter
-from flowyard.policies.flowyard_regime import rate as _rate
-from flowyard.policies.flowyard_regime import Choice, Load, RegimePricer
+from flowyard.policies.arrow.pools import PREFILL_SIDE, QuadraticTTFT
+from flowyard.policies.flowyard.selector import FlowyardSelector
+from flowyard.policies.flowyard.router import FlowyardConfig, FlowyardRouter
+from flowyard.policies.flowyard.regime import rate as _rate
+from flowyard.policies.flowyard.regime import Choice, Load, RegimePricer
 from flowyard.costmodel import make_cost_model
 
 
@@ -229,7 +229,7 @@ def test_parking_prefills_ahead_of_a_decode_place_and_never_widens_the_decode_ba
     from flowyard.core.kvcache import KVCacheManager
     from flowyard.core.plan import StepOutput
     from flowyard.policies.framework.contracts import Role
-    from flowyard.policies.flowyard_local import flowyard_scheduler
+    from flowyard.policies.flowyard.selector import flowyard_scheduler
     core = flowyard_scheduler(0, Role.MIXED, KVCacheManager(400, 16), cost, max_num_seqs=2, max_repeats=1, park=park)
     states = [RequestState(Request(id=k, arrival=0.0, prompt_len=32, output_len=40, slo=SLO(ttft=5.0, tpot=1.0)))
               for k in range(4)]

@@ -8,8 +8,8 @@ import pytest
 from conftest import LinearCost, make_requests
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.continuous_batching import BatchConfig
-from flowyard.policies.registry import Policy
-from flowyard.policies.routers import RoundRobin
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.baselines.routers import RoundRobin
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator
 

@@ -12,19 +12,19 @@ from conftest import FixedLink, LinearCost, make_requests
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
-from flowyard.policies.arrow import ArrowRouter
+from flowyard.policies.arrow.router import ArrowRouter
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.compose import Composed, LeastScoreDispatch, RoundRobinDispatch
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.dynaserve import DynaServeConfig, DynaServeRouter
-from flowyard.policies.dynaserve_predict import OracleLengthPredictor
-from flowyard.policies.flowprefill import FlowPrefillConfig, FlowPrefillSelector
+from flowyard.policies.dynaserve.split import DynaServeConfig, DynaServeRouter
+from flowyard.policies.dynaserve.lengths import OracleLengthPredictor
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig, FlowPrefillSelector
 from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
 from flowyard.policies.framework.order import QueueOrder
-from flowyard.policies.pla import PLAConfig, PLASelector, length_model_of, pla_scheduler
-from flowyard.policies.pla_router import PLARouter
-from flowyard.policies.registry import (POLICY_NAMES, Policy, PolicyOptions, build_policy,
-                                        policy_requires_predictor)
+from flowyard.policies.pla.selector import PLAConfig, PLASelector, length_model_of, pla_scheduler
+from flowyard.policies.pla.router import PLARouter
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy, policy_requires_predictor
 from flowyard.policies.framework.selector import ChunkedSelector
 from flowyard.policies.framework.slack import TTFTPredictor
 from flowyard.sim.cluster import Topology

@@ -11,11 +11,11 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput
 from flowyard.core.request import SLO, Request, RequestState, Status
 from flowyard.costmodel import make_cost_model
-from flowyard.policies.awd import AWDConfig, AWDState
+from flowyard.policies.pla.awd import AWDConfig, AWDState
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.pla import PLAConfig, length_model_of, pla_scheduler
-from flowyard.policies.pla_router import ControllerConfig
+from flowyard.policies.pla.selector import PLAConfig, length_model_of, pla_scheduler
+from flowyard.policies.pla.router import ControllerConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator
@@ -96,7 +96,7 @@ def test_steps_are_all_short_or_all_long_and_short_ones_are_not_queued_behind_lo
 
 
 def test_reprefill_on_cached_history_is_short_by_the_router():
-    from flowyard.policies.pla import is_short
+    from flowyard.policies.pla.selector import is_short
 
     assert is_short(req(0, 0.0, 4000, history=3960), LENGTHS)
     assert not is_short(req(0, 0.0, 4000), LENGTHS)

@@ -15,7 +15,7 @@ from flowyard.core.plan import BatchShape
 from flowyard.costmodel import RooflineCostModel, get_hardware
 from flowyard.costmodel.base import LAYER_OPS, with_error
 from flowyard.costmodel.profiled import ProfiledCostModel
-from flowyard.policies.pla_boundary import (LengthModel, classify, fit_length_model,
+from flowyard.policies.pla.boundary import (LengthModel, classify, fit_length_model,
                                             samples_from_cost_model)
 
 LENGTHS = np.unique(np.round(np.geomspace(1, 8192, 40)))

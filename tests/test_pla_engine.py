@@ -11,8 +11,8 @@ from flowyard.engine.embedded import embedded_model_path
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
-from flowyard.policies.awd import AWDConfig
-from flowyard.policies.pla import PLAConfig
+from flowyard.policies.pla.awd import AWDConfig
+from flowyard.policies.pla.selector import PLAConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.runtime.cluster import LocalCluster
 

@@ -9,7 +9,7 @@ from conftest import FixedLink, LinearCost
 from flowyard.core.request import SLO, Request, Status
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.framework.contracts import Role
-from flowyard.policies.pla import PLAConfig, is_short, length_model_of
+from flowyard.policies.pla.selector import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
 from flowyard.sim.run import SimConfig, build_topology

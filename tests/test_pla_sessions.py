@@ -9,7 +9,7 @@ import pytest
 from flowyard.core.request import SLO, Request
 from flowyard.costmodel import make_cost_model
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.pla import PLAConfig
+from flowyard.policies.pla.selector import PLAConfig
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator

@@ -95,7 +95,7 @@ def test_flowprefill_preempts_a_running_prefill_inside_an_actor(ray_session):
     import time
 
     from flowyard.engine.embedded import embedded_model_path
-    from flowyard.policies.flowprefill import FlowPrefillConfig
+    from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig
     from flowyard.runtime.ray_cluster import RayCluster
 
     model, tok = load_model(embedded_model_path())

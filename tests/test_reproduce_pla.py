@@ -15,7 +15,7 @@ from flowyard.experiments.common import Tally
 from flowyard.experiments.pla_serve import (AFFINE_PD, BASELINE, FIG6, FIG7, NO_SPLIT, Runner, conversations,
                                             workload_stats)
 from flowyard.experiments.report import verdict_rows
-from flowyard.policies.pla import is_short
+from flowyard.policies.pla.selector import is_short
 
 
 @pytest.fixture(scope="module")

@@ -141,7 +141,7 @@ def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp
     from flowyard.costmodel import make_cost_model
     from flowyard.engine.engine_config import EngineConfig
     from flowyard.engine.sampling import SamplingParams
-    from flowyard.policies.pla import PLAConfig
+    from flowyard.policies.pla.selector import PLAConfig
     from flowyard.policies.registry import PolicyOptions, build_policy
     from flowyard.runtime.cluster import LocalCluster
 

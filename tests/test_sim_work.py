@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from flowyard.costmodel import make_cost_model
 from flowyard.costmodel.models import get_model
-from flowyard.policies.dynaserve_predict import make_length_predictor
+from flowyard.policies.dynaserve.lengths import make_length_predictor
 from flowyard.core.request import Request
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.run import SimConfig, build_topology

@@ -71,7 +71,7 @@ def test_dynaserves_waited_too_long_path_decides_the_same_on_three_executors(ray
     import dataclasses
 
     from guard_driver import load_dir, profile_cost, run_cluster, run_ray_cluster, simulate
-    from flowyard.policies.dynaserve import DynaServeConfig
+    from flowyard.policies.dynaserve.split import DynaServeConfig
 
     model_dir, actors = ray_model
     kv = 320

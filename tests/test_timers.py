@@ -12,8 +12,8 @@ from conftest import LinearCost, make_requests
 from flowyard.core.request import SLO
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.continuous_batching import BatchConfig, BatchScheduler
-from flowyard.policies.registry import Policy
-from flowyard.policies.routers import RoundRobin
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.baselines.routers import RoundRobin
 from flowyard.sim.run import SimConfig, build_topology
 from flowyard.sim.simulator import Simulator
 

@@ -1,5 +1,5 @@
 """Reference for tests/test_dynaserve_vbatch.py: DynaServe's virtual-batch predictor as it was
-before its storage was made preallocated (flowyard/policies/dynaserve_vbatch.py at 383a239),
+before its storage was made preallocated (flowyard/policies/dynaserve/vbatch.py at 383a239),
 one numpy array per column, concatenated on every commit. The fast version must give the same
 answers bit for bit; this one is kept frozen."""
 

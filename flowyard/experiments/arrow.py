@@ -27,7 +27,7 @@ from flowyard.experiments.common import (
     stderr_log,
     threshold_search,
 )
-from flowyard.policies.arrow_pools import PREFILL_SIDE, Pool
+from flowyard.policies.arrow.pools import PREFILL_SIDE, Pool
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload
 from flowyard.sim.simulator import SimulationError
 from flowyard.sweep import current, digest

@@ -25,7 +25,7 @@ import numpy as np
 from flowyard.core.metrics import EPS, meets_slo, summarize, tbt, ttft
 from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig
 from flowyard.policies.registry import build_policy
 from flowyard.sim.run import SimConfig, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError

@@ -24,7 +24,7 @@ from flowyard.experiments.common import (
     threshold_search,
 )
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, Cluster, DSPoint
-from flowyard.policies.dynaserve import DynaServeConfig
+from flowyard.policies.dynaserve.split import DynaServeConfig
 from flowyard.workloads import Workload, fixed_shape, load_trace, mix, reasoning_like, resample
 
 SYSTEMS = (COLOC, DISAGG, DYNA)

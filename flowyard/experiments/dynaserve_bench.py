@@ -29,7 +29,7 @@ from flowyard.core.metrics import tbt, ttft
 from flowyard.costmodel.hardware import get_hardware
 from flowyard.costmodel.models import get_model
 from flowyard.experiments.common import Tally
-from flowyard.policies.dynaserve import DynaServeConfig
+from flowyard.policies.dynaserve.split import DynaServeConfig
 from flowyard.policies.registry import build_policy
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator

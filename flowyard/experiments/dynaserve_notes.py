@@ -14,7 +14,7 @@ from flowyard.experiments.common import BAND, band_verdict, fmt_range, fmt_x, ra
 from flowyard.experiments.report import null_effect_verdict
 from flowyard.experiments.dynaserve import BASE, WORKLOADS, Results
 from flowyard.experiments.dynaserve_bench import COLOC, DISAGG, DYNA, TBT_SLO
-from flowyard.policies.dynaserve import DynaServeConfig
+from flowyard.policies.dynaserve.split import DynaServeConfig
 
 #: Table 1 of the paper: shape -> system -> (MFU G1, MFU G2, HBM G1, HBM G2, P50 TBT ms, P99 TBT ms, rps, att %)
 PAPER_T1: dict[str, dict[str, tuple[float, ...]]] = {

@@ -28,7 +28,7 @@ from flowyard.experiments.common import (
     threshold_search,
 )
 from flowyard.experiments.flowprefill_coloc import FULL_COLOC, QUICK_COLOC, ColocSettings, Colocation, run_colocation
-from flowyard.policies.flowprefill import FlowPrefillConfig
+from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig
 from flowyard.sim.run import SimConfig, build_cost_model
 from flowyard.sweep import current
 from flowyard.workloads import Workload

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from flowyard.core.metrics import summarize
 from flowyard.costmodel.base import CostModel
 from flowyard.experiments.common import Log, Stopwatch, Tally, Threshold, stderr_log, threshold_search
-from flowyard.policies.flowyard_policy import FlowyardConfig
+from flowyard.policies.flowyard.router import FlowyardConfig
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload, policy_options
 from flowyard.sim.simulator import SimulationError
 from flowyard.sweep import current, digest

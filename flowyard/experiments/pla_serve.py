@@ -23,9 +23,9 @@ import numpy as np
 
 from flowyard.core.request import SLO, Status
 from flowyard.experiments.common import Log, Stopwatch, Tally, stderr_log
-from flowyard.policies.pla import PLAConfig, is_short, length_model_of
+from flowyard.policies.pla.selector import PLAConfig, is_short, length_model_of
 from flowyard.policies.registry import build_policy
-from flowyard.policies.routers import RoundRobinPD
+from flowyard.policies.baselines.routers import RoundRobinPD
 from flowyard.sim.run import SimConfig, build_cost_model, build_simulator, load_workload, policy_options
 from flowyard.sim.simulator import SimulationError, Simulator
 from flowyard.workloads import Workload, multi_turn_sessions, with_slo

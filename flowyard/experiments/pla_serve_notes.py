@@ -184,7 +184,7 @@ def not_reproduced(prices: dict[str, float]) -> str:
     """The "figures not reproduced" section, generated from the figure registry, with the step prices
     behind its reasons, the abstract's numbers and AWD's window bounds."""
     from flowyard.experiments.figures import not_built_section
-    from flowyard.policies.awd import AWDConfig
+    from flowyard.policies.pla.awd import AWDConfig
 
     ms = {k: 1e3 * v for k, v in prices.items()}
     awd = AWDConfig()

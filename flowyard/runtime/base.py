@@ -11,7 +11,7 @@ from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import InstanceSnapshot
-from flowyard.policies.registry import Policy
+from flowyard.policies.framework.policy import Policy
 
 
 @dataclass

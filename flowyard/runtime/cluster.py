@@ -34,7 +34,7 @@ from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.engine.tokenizer import Tokenizer
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.registry import Policy
+from flowyard.policies.framework.policy import Policy
 from flowyard.runtime.base import ClusterBase
 
 

@@ -32,7 +32,7 @@ from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.registry import Policy
+from flowyard.policies.framework.policy import Policy
 from flowyard.runtime.base import ClusterBase
 from flowyard.runtime.ray_actor import EngineActor
 from flowyard.runtime.ray_faults import RayFaults

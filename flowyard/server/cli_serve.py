@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         decisions = DecisionLog(limit=5000)
     if (args.instances > 1 or args.policy != "vllm" or use_ray or timeline is not None
             or args.scheduling_policy != "fcfs"):
-        from flowyard.policies.flowprefill import FlowPrefillConfig
+        from flowyard.policies.flowprefill.scheduler import FlowPrefillConfig
         from flowyard.policies.registry import PolicyOptions, build_policy, policy_requires_predictor
 
         # Every policy runs in one process or on Ray alike. A policy that predicts step times

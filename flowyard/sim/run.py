@@ -17,7 +17,8 @@ from flowyard.core.plan import StepPlan
 from flowyard.core.request import SLO
 from flowyard.costmodel import DEFAULT_CALIBRATION, Link, get_hardware, make_cost_model
 from flowyard.costmodel.base import CostModel, with_error
-from flowyard.policies.registry import Policy, PolicyOptions, build_policy
+from flowyard.policies.framework.policy import Policy
+from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.arrivals import ClosedLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator

@@ -37,7 +37,7 @@ from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
-from flowyard.policies.registry import Policy
+from flowyard.policies.framework.policy import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
 from flowyard.sim.cluster import Topology
 from flowyard.sim.instance import SimInstance, SimResult

@@ -2,7 +2,7 @@
 
 An instance's role (PREFILL, DECODE, MIXED) is fixed when the cluster starts; a pool is what
 the global policy uses it for and may change while it runs (a flip). Arrow's four elastic pools
-(P, D, P→D, D→P, `arrow_pools`) and PLA-Serve's short and long prefill pools (`pla_router`)
+(P, D, P→D, D→P, `arrow.pools`) and PLA-Serve's short and long prefill pools (`pla.router`)
 are both this model with their own labels and rules for moving, so a composed policy can put
 Arrow's pools and PLA's length classes over the same instances and log every move the same way.
 

@@ -1,4 +1,4 @@
-"""Prefill-selection parts of the local scheduler core (`core.LocalCore`).
+"""Prefill-selection parts of the local scheduler core (`local_core.LocalCore`).
 
 The core places the step's decodes; a selector owns the queued prompts and decides which
 prefill slices join the step. Selectors differ in two ways that matter to the core:
@@ -9,7 +9,7 @@ prefill slices join the step. Selectors differ in two ways that matter to the co
   reserve KV for the whole prompt on admission and take an unfinished prompt back into their
   queue after each chunk; the core sees it again only when its prompt is done.
 - **how much prefill a step takes.** A token budget (chunked), a budget from a profile of step
-  times (DynaServe Alg. 2, `dynaserve_local`), AWD batches or C_l chunks (PLA), or SLO-aware
+  times (DynaServe Alg. 2, `dynaserve.local_batch`), AWD batches or C_l chunks (PLA), or SLO-aware
   batches under a token budget (FlowPrefill).
 
 The default hooks do nothing, so a selector overrides only what it decides.

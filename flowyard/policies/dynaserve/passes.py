@@ -1,4 +1,4 @@
-"""The pass timeline under DynaServe's virtual-batch predictor (dynaserve_vbatch.py): one
+"""The pass timeline under DynaServe's virtual-batch predictor (dynaserve/vbatch.py): one
 instance's future passes as columns of numbers, and the prefix sums and open masks that let
 a probe place a segment in O(log n).
 

@@ -10,7 +10,7 @@ decode count, measured time) in the table, so the prediction follows what the in
 does; before any measurement (cold start) it is the predictor cost model's.
 
 Everything else (queues, KV accounting, preemption, migrations, micro-request split handling)
-is the core's (`core.LocalCore`): `DynaServeSelector` is vLLM's chunked selector whose token
+is the core's (`local_core.LocalCore`): `DynaServeSelector` is vLLM's chunked selector whose token
 budget is set before every step, and the core's `migration_patience_s` breaks migration
 deadlocks between the instances of a pair.
 """

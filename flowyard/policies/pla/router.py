@@ -45,8 +45,8 @@ import numpy as np
 from flowyard.core.request import Request
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot, Role
-from flowyard.policies.pla import is_short
-from flowyard.policies.pla_boundary import LengthModel
+from flowyard.policies.pla.selector import is_short
+from flowyard.policies.pla.boundary import LengthModel
 from flowyard.policies.framework.pools import Pools
 
 

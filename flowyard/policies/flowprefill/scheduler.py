@@ -12,7 +12,7 @@ Three pieces, named as in the paper:
   batching if it is a new request, and keeps E the highest-priority task.
 
 The Request Queue and the Execution Pool are a prefill selector of the local scheduler core
-(`core.LocalCore`, role PREFILL): the core admits requests, applies finished steps and hands
+(`local_core.LocalCore`, role PREFILL): the core admits requests, applies finished steps and hands
 each request off when its prompt is done; `FlowPrefillSelector` decides what runs and when to
 preempt. Nothing here reads a clock or knows whether the step runs on a GPU or in the
 simulator: the same object drives both executors.

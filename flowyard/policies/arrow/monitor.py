@@ -45,11 +45,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from flowyard.policies.arrow_pools import DECODE_SIDE, ElasticPools, Pool, has_prefill_work
+from flowyard.policies.arrow.pools import DECODE_SIDE, ElasticPools, Pool, has_prefill_work
 from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot
 
 if TYPE_CHECKING:
-    from flowyard.policies.arrow import ArrowConfig
+    from flowyard.policies.arrow.router import ArrowConfig
 
 
 class _ArrowHost(Protocol):

@@ -17,7 +17,7 @@ only takes the passes' free budget and adds its tokens to them, which makes them
   Passes already executed (end <= now) drop off as time goes on: the paper's reuse of the
   executed prefix.
 
-The passes and their prefix sums are stored by `PassTimeline` (dynaserve_passes.py).
+The passes and their prefix sums are stored by `PassTimeline` (dynaserve/passes.py).
 
 Approximations (documented, measured in tests/test_dynaserve.py against the simulator): a
 segment's decode tokens do not take budget back from earlier prefills in the same pass, and an
@@ -34,7 +34,7 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.dynaserve_passes import DC, DUR, END, MDEC, MPF, NA, ND, PA, PK, PS, PT, PassTimeline
+from flowyard.policies.dynaserve.passes import DC, DUR, END, MDEC, MPF, NA, ND, PA, PK, PS, PT, PassTimeline
 
 _PROBE_TOKENS = 64  # prefill tokens added to a pass to sample its per-token marginal cost
 

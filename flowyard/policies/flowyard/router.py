@@ -4,7 +4,7 @@ Every instance is stateless (`Role.MIXED`, Arrow §5.2), so whether the cluster 
 disaggregated is a decision of the global scheduler, not of the deployment, and it can change
 while the cluster runs. The parts:
 
-- **Regime controller (ours: `flowyard_control`, priced by `flowyard_regime`).** Every
+- **Regime controller (ours: `flowyard.control`, priced by `flowyard.regime`).** Every
   `period` it prices colocation and every split of Arrow's pools (1 to N-1 prefill
   instances) by the load scale each could sustain, from the recent arrival rate, mean prompt,
   the decodes held in steady state (Little's law on the mean output of finished requests, so
@@ -28,7 +28,7 @@ while the cluster runs. The parts:
   the instance that holds its history (its KV is cached there) unless that instance's predicted
   delay plus the cached fill is worse than the best alternative plus the full fill by more than
   `affinity` seconds.
-- **Local scheduling** (`flowyard_local`): FlowPrefill's S-EDF queue order and DynaServe's
+- **Local scheduling** (`flowyard.selector`): FlowPrefill's S-EDF queue order and DynaServe's
   TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
   have banked (TPOT is a mean, so long outputs amortise whole prefill chunks as in vLLM).
   Prompts may be prefilled ahead of a free decode place (`park`): what Arrow's pools do
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,17 +55,14 @@ from flowyard.core.plan import BatchShape
 from flowyard.costmodel.roofline import RooflineCostModel
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.arrow import ArrowConfig, ArrowRouter
-from flowyard.policies.arrow_pools import PREFILL_SIDE
+from flowyard.policies.arrow.router import ArrowConfig, ArrowRouter
+from flowyard.policies.arrow.pools import PREFILL_SIDE
 from flowyard.policies.framework.contracts import ClusterView
-from flowyard.policies.flowyard_control import RegimeControl
-from flowyard.policies.flowyard_dispatch import indexed_pick
-from flowyard.policies.flowyard_regime import MonitorFlips, RegimePricer
-from flowyard.policies.flowyard_local import PLACES, SHED_RATES
+from flowyard.policies.flowyard.control import RegimeControl
+from flowyard.policies.flowyard.dispatch import indexed_pick
+from flowyard.policies.flowyard.regime import MonitorFlips, RegimePricer
+from flowyard.policies.flowyard.selector import PLACES, SHED_RATES
 from flowyard.policies.framework.slack import deadline
-
-if TYPE_CHECKING:
-    from flowyard.policies.registry import Policy
 
 MODES = ("auto", "colocated", "disaggregated")
 MAX_SESSIONS = 65536
@@ -79,12 +75,12 @@ class FlowyardConfig:
     pools: str = "minload"  # Arrow's dispatch in the disaggregated regime: "minload", or "slo" (with flips)
     dispatch_flips: bool = True  # Arrow's Alg. 1/2 may flip an instance per request; False: the monitor only
     order: str = "s-edf"  # local queue order (FlowPrefill); "fcfs" ablates it
-    shed: bool = True  # S-EDF gives up the prompts Moore-Hodgson picks in an overload (flowyard_local)
+    shed: bool = True  # S-EDF gives up the prompts Moore-Hodgson picks in an overload (flowyard.selector)
     shed_rate: str = "shared"  # ... timing each prompt at the instance's rate beside its decodes; "alone"
     prefill_preempts: bool = False  # a chunk may recompute-preempt for KV (vLLM); False: it waits
     rescue: float | None = 0.1  # TTFT rescue: a step may break the banked TPOT slack of this share of its decodes
     tbt_budget: bool = True  # DynaServe's TBT-bounded step budgets; False: a fixed chunk
-    slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard_local)
+    slack: bool = True  # budgets may spend the decodes' banked TPOT slack (flowyard.selector)
     delay_tolerance: float = 0.02  # ... whose delay is within this share of the TTFT SLO of the least
     dispatch: str = "decode"  # colocated: least decode step among TTFT-safe instances; "delay": least delay
     delay_ahead: bool = True  # dispatch counts only the queued work S-EDF ranks ahead of the prompt
@@ -182,7 +178,7 @@ class FlowyardRouter(RegimeControl):
         prefill) stays within `ttft_share` x 2 of its SLO, the one whose decode step would be
         shortest with it added (TPOT is decided by decode steps once prompts are served in
         time); if none, the least predicted delay. On many instances the answer comes from
-        indexes (`flowyard_dispatch`: the same pick without reading every snapshot)."""
+        indexes (`flowyard.dispatch`: the same pick without reading every snapshot)."""
         pick = indexed_pick(self, req, view, cands, now)
         if pick is not None:
             return pick
@@ -250,32 +246,3 @@ class FlowyardRouter(RegimeControl):
         if self.regime == "colocated":
             return src  # decode where it prefilled: no KV moves
         return self.arrow.route_decode(state, src, view, now)
-
-
-def flowyard_policy(name: str, o) -> "Policy":
-    """Assemble `flowyard` (registry entry): MIXED instances under a `Composed` global scheduler
-    whose dispatcher, decode router and controller are one `FlowyardRouter`."""
-    from flowyard.policies.framework.compose import Composed
-    from flowyard.policies.framework.contracts import Role
-    from flowyard.policies.flowyard_local import flowyard_scheduler
-    from flowyard.policies.framework.continuous_batching import BatchConfig
-    from flowyard.policies.registry import Policy
-
-    if o.predictor is None:
-        raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) for its regime controller, "
-                         "TTFT predictor and step budgets")
-    cfg = o.flowyard or FlowyardConfig(chunk=o.chunk_size or 2048, max_num_seqs=o.max_num_seqs)
-    router = FlowyardRouter(o.predictor, cfg, name)
-    gs = Composed(name, router, decode_router=router, controllers=[router] if router.period is not None else [])
-    predictor = o.predictor
-
-    def local(instance, role, kv, batch):
-        return flowyard_scheduler(instance, role, kv, predictor, chunk=cfg.chunk, order=cfg.order,
-                                  tbt_budget=cfg.tbt_budget, slack=cfg.slack, park=cfg.park, shed=cfg.shed,
-                                  prefill_preempts=cfg.prefill_preempts, rescue=cfg.rescue, places=cfg.places,
-                                  default_tpot=cfg.tpot_slo, shed_rate=cfg.shed_rate,
-                                  max_num_seqs=batch.max_num_seqs,
-                                  max_model_len=batch.max_model_len, max_repeats=batch.max_repeats)
-
-    batch = BatchConfig(max_num_batched_tokens=cfg.chunk, max_num_seqs=cfg.max_num_seqs)
-    return Policy(name, gs, [Role.MIXED] * o.num_instances, {Role.MIXED: batch}, {Role.MIXED: local})

@@ -3,7 +3,7 @@ instances.
 
 Every instance is `Role.MIXED` and runs the plain `BatchScheduler` (decodes first, then chunked
 prefill; migrations FCFS), so any instance can prefill and decode at any time. What it is *for*
-is its pool (`arrow_pools.ElasticPools`): P, D, P→D or D→P. The global scheduler
+is its pool (`arrow.pools.ElasticPools`): P, D, P→D or D→P. The global scheduler
 
 - dispatches prefills (Alg. 1): the P instance with the least predicted queueing delay (TTFT
   predictor, Eq. 1-2) if the request's TTFT SLO holds there, else the best D→P instance, else,
@@ -13,7 +13,7 @@ is its pool (`arrow_pools.ElasticPools`): P, D, P→D or D→P. The global sched
   itself if it has meanwhile been flipped to D or P→D (no KV move), else the D (then P→D)
   instance with the fewest running tokens if it stays under Max Running Tokens and its token
   interval under the TPOT threshold, else flips a prefill instance to decode (Alg. 4);
-- runs the instance monitor every `period` (`arrow_monitor`): the average token interval of
+- runs the instance monitor every `period` (`arrow.monitor`): the average token interval of
   decoding instances over the TPOT threshold for `monitor_periods` ticks in a row flips a
   prefill instance to decode; an idle prefill instance flips to decode while decode is busy;
   and (ours, `unstrand`) a P→D instance whose queued prompts would miss the TTFT threshold
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from flowyard.cluster.index import INDEX_MIN
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.arrow_pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
+from flowyard.policies.arrow.pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
                                            max_running_tokens)
-from flowyard.policies.arrow_monitor import InstanceMonitor
+from flowyard.policies.arrow.monitor import InstanceMonitor
 from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot
 
 MODES = ("slo", "minload", "rr")

@@ -48,7 +48,7 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
   keeps prompts it cannot finish, which then miss after taking the time of those behind them.
   Azure Conv at TTFT 0.5/2/6 s by length, TPOT 100 ms: 50 -> 56 req/s.
 - **Budget (DynaServe Alg. 2).** When a step carries decodes, its prefill tokens are the
-  largest budget whose predicted step time (online profile table, `dynaserve_local`) stays
+  largest budget whose predicted step time (online profile table, `dynaserve.local_batch`) stays
   within the tightest TPOT SLO among those decodes (times a headroom), capped at the chunk
   size; a step without decodes takes the full chunk. With a loose TPOT this is vLLM's
   2048-token chunked prefill; with a tight one the decodes keep their TPOT while prefill
@@ -64,7 +64,7 @@ from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.dynaserve_local import DynaServeSelector, LocalConfig, ProfileTable
+from flowyard.policies.dynaserve.local_batch import DynaServeSelector, LocalConfig, ProfileTable
 from flowyard.policies.framework.order import QueueOrder, moore_hodgson
 from flowyard.policies.framework.slack import TTFTPredictor, given_up
 

@@ -35,7 +35,7 @@ from typing import Callable
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.arrow import ArrowRouter
+from flowyard.policies.arrow.router import ArrowRouter
 
 INF = float("inf")
 

@@ -1,5 +1,5 @@
-"""The regime controller of `flowyard` (`flowyard_policy`): every `period` it prices
-colocation and every split of Arrow's pools (`flowyard_regime.RegimePricer`) from what the
+"""The regime controller of `flowyard` (`flowyard.router`): every `period` it prices
+colocation and every split of Arrow's pools (`flowyard.regime.RegimePricer`) from what the
 router has seen, votes, and flips instances between the pools to the split it wants.
 
 A mixin of `FlowyardRouter` rather than an object of its own: the dispatcher and the
@@ -13,13 +13,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 from flowyard.core.request import RequestState
-from flowyard.policies.arrow import ArrowRouter
-from flowyard.policies.arrow_pools import DECODE_SIDE, PREFILL_SIDE
+from flowyard.policies.arrow.router import ArrowRouter
+from flowyard.policies.arrow.pools import DECODE_SIDE, PREFILL_SIDE
 from flowyard.policies.framework.contracts import ClusterView
-from flowyard.policies.flowyard_regime import Choice, Load, RegimePricer, rate as _rate
+from flowyard.policies.flowyard.regime import Choice, Load, RegimePricer, rate as _rate
 
 if TYPE_CHECKING:
-    from flowyard.policies.flowyard_policy import FlowyardConfig
+    from flowyard.policies.flowyard.router import FlowyardConfig
 
 
 class _RouterState(Protocol):
@@ -86,7 +86,7 @@ class RegimeControl:
                     sum(s.running_tokens for s in snaps) / running if running else 0.0, tpot, urgency)
 
     def wanted(self: _RouterState, view: ClusterView, now: float) -> Choice:
-        """The option with the largest sustainable load scale (`flowyard_regime`)."""
+        """The option with the largest sustainable load scale (`flowyard.regime`)."""
         load = self.load(view, now)
         if load is None:
             return Choice("colocated", 0, {})

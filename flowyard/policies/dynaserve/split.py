@@ -5,7 +5,7 @@ For each request the scheduler picks the next pair (A, B) of the unified pool ro
 predicts its output length D̂ (margin included), and searches the split point s = ρ·N over
 N = P + D̂ by a bounded bisection on ρ: start at ρ0 = P/N (pure PD disaggregation), predict
 T_A and T_B, the times at which A and B have finished all their work including the new
-segment (virtual-batch predictor, `dynaserve_vbatch.py`), move ρ towards the less loaded side,
+segment (virtual-batch predictor, `dynaserve/vbatch.py`), move ρ towards the less loaded side,
 stop when |T_A - T_B| <= tolerance or after K probes. The probe kept is the one with the
 smallest makespan max(T_A, T_B) (the balance point), the request's own finish breaking ties.
 ρ < P/N sends part of the prompt to B; ρ > P/N keeps some decode tokens on A; a segment
@@ -27,9 +27,9 @@ import numpy as np
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot, Role
-from flowyard.policies.dynaserve_local import LocalConfig, ProfileTable
-from flowyard.policies.dynaserve_predict import LengthPredictor
-from flowyard.policies.dynaserve_vbatch import Estimate, Segment, VirtualBatch
+from flowyard.policies.dynaserve.local_batch import LocalConfig, ProfileTable
+from flowyard.policies.dynaserve.lengths import LengthPredictor
+from flowyard.policies.dynaserve.vbatch import Estimate, Segment, VirtualBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class DynaServeConfig:
     length_error: float = 1.0
     length_sigma: float = 0.0
     # a micro-request's second segment that finds no KV on its destination this long is
-    # recomputed there instead (the pair's deadlock breaker; dynaserve_local.LocalConfig)
+    # recomputed there instead (the pair's deadlock breaker; dynaserve.local_batch.LocalConfig)
     migration_patience_s: float = 0.5
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot
 from flowyard.policies.framework.slack import deadline
 
 if TYPE_CHECKING:
-    from flowyard.policies.flowyard_policy import FlowyardRouter
+    from flowyard.policies.flowyard.router import FlowyardRouter
 
 # From this many instances the dispatch reads indexes; below it the scan (cheap, and the
 # reference the index must equal) runs.

@@ -2,7 +2,7 @@
 (PLA-Serve §3.2, temporal disaggregation), a part of the local scheduler core.
 
 Every request is classified once, on arrival, by its new tokens L = prompt - cached history
-against the compute-memory boundary L_m (§2.1, `pla_boundary`). Short ones wait in Q_s and
+against the compute-memory boundary L_m (§2.1, `pla.boundary`). Short ones wait in Q_s and
 leave in AWD batches (`awd`), padded to a captured (L, B) shape when one holds them; long ones
 wait in Q_l and advance one request at a time by chunks of C_l tokens. A step is either all
 short or all long, never mixed, so a memory-bound batch never shares a step with a
@@ -14,7 +14,7 @@ chunk when one is waiting and the chunk's predicted time fits inside the tightes
 window closes (`wake_at`). In deadline-free ("token-max") mode there are no deadlines: short
 batches leave when they reach the token budget or the window closes.
 
-With spatial disaggregation (`pla_router`) an instance belongs to the short or the long pool
+With spatial disaggregation (`pla.router`) an instance belongs to the short or the long pool
 and receives mostly one class; it still serves whatever is in its queues, so an instance that
 changes pool drains its old class first.
 
@@ -33,10 +33,10 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import PrefillSlice, StepPlan
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.awd import AWDConfig, AWDState
+from flowyard.policies.pla.awd import AWDConfig, AWDState
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.pla_boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
+from flowyard.policies.pla.boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
 from flowyard.policies.framework.selector import PrefillSelector
 from flowyard.policies.framework.slack import TTFTPredictor, deadline
 
@@ -50,7 +50,7 @@ class PLAConfig:
     spatial: bool = False  # short and long pools across prefill instances (policy pla-spatial)
     boundary: int | None = None  # L_m override (tokens); None: fitted from the predictor
     max_num_seqs: int = 256
-    # Session-affine routing (pla_router): a later turn goes back to the prefill instance that
+    # Session-affine routing (pla.router): a later turn goes back to the prefill instance that
     # holds its history unless its predicted wait + fill there exceeds the best alternative's
     # by more than this many seconds; None routes every turn by load alone.
     affinity_tolerance: float | None = 0.05
