@@ -55,7 +55,7 @@ def test_a_later_turn_goes_home_and_is_classified_by_its_uncached_tokens():
     assert r.route(FIRST, view, 0.0) == 2
     view.waiting[2] = 2000  # home is busier than the rest of the long pool, not clearly worse
     assert r.route(LATER, view, 1.0) == 2  # a short re-prefill (48 tokens over 2992) at home
-    assert (r.sent_home, r.sent_away) == (1, 0)
+    assert (r.sessions.sent_home, r.sessions.sent_away) == (1, 0)
     # with no known home the whole prompt is computed: a long fill, so the long pool
     fresh = spatial_router()
     assert fresh.route(LATER, View({0: 0, 1: 0, 2: 5, 3: 0}), 1.0) == 3
@@ -72,7 +72,7 @@ def test_a_clearly_worse_home_is_left_by_the_tolerance(tolerance, home):
     # 5,000 queued tokens (~0.24 s) at home against 0.14 s of recomputed history elsewhere
     got = r.route(LATER, View({0: 0, 1: 0, 2: 5000, 3: 0}), 1.0)
     assert got == (2 if home else 3)
-    assert r.homes["a"][0] == got  # the next turn follows this one
+    assert r.sessions.home("a")[0] == got  # the next turn follows this one
 
 
 def conversations(n=160, rate=4.0):
@@ -103,7 +103,7 @@ def test_later_turns_hit_the_prefix_cache_with_affinity(policy):
     on, c_on, router = replay(policy, reqs, 0.05)
     off, c_off, _ = replay(policy, reqs, None)
     later = [s.id for s in on if s.req.turn > 0]
-    assert len(later) > 80 and router.dispatcher.sent_home >= 0.9 * len(later)
+    assert len(later) > 80 and router.dispatcher.sessions.sent_home >= 0.9 * len(later)
     tokens_on, tokens_off = sum(c_on[i] for i in later), sum(c_off[i] for i in later)
     assert tokens_on < 0.7 * tokens_off  # the history is not computed again
     ttft = {k: np.mean([s.first_token_time - s.req.arrival for s in states if s.req.turn > 0])

@@ -75,7 +75,7 @@ class DynaServeConfig:
 
 
 @dataclass(slots=True)
-class Decision:
+class SplitDecision:
     """One request's plan: it starts on `first`; split = (s, B) or None; the probes tried as
     (ρ, s, T_A, T_B, the request's own predicted finish)."""
 
@@ -102,7 +102,7 @@ class DynaServeRouter(GlobalScheduler):
         self._synced: dict[int, float] = {}
         self._next = 0
         self._dbar = float(cfg.length_prior)  # mean predicted output: re-seeding unknown requests
-        self.last: Decision | None = None
+        self.last: SplitDecision | None = None
         self.reseeds = 0
 
     def on_finished(self, state: RequestState, now: float) -> None:
@@ -171,18 +171,18 @@ class DynaServeRouter(GlobalScheduler):
         eb = vb.probe(Segment(beta.prefill, beta.decode, beta.history, ea.seg_end), now)
         return ea.total_end, eb.total_end, eb.seg_end
 
-    def decide(self, req: Request, a: int, b: int, view: ClusterView, now: float) -> Decision:
+    def decide(self, req: Request, a: int, b: int, view: ClusterView, now: float) -> SplitDecision:
         P = req.prompt_len
         D = max(1, self.lengths.predict(req))
         self._dbar = 0.95 * self._dbar + 0.05 * D
         N = P + D
         if a == b or not self.cfg.split:
             self._sync(a, view, now)
-            d = Decision(a, b, P, D, N, a, None)
+            d = SplitDecision(a, b, P, D, N, a, None)
         else:
             self._sync(a, view, now)
             self._sync(b, view, now)
-            d = Decision(a, b, P, D, 0, a, None)
+            d = SplitDecision(a, b, P, D, 0, a, None)
             lo, hi, rho = 0.0, 1.0, P / N
             for _ in range(self.cfg.max_probes):
                 s = self._fold(int(round(rho * N)), P, D)
@@ -209,7 +209,7 @@ class DynaServeRouter(GlobalScheduler):
         close = [p for p in probes if max(p[2], p[3]) <= span + max(self.cfg.tolerance_s, 1e-3)]
         return min(close, key=lambda p: (p[4], max(p[2], p[3])))[1]
 
-    def _chosen(self, d: Decision, P: int, D: int) -> Decision:
+    def _chosen(self, d: SplitDecision, P: int, D: int) -> SplitDecision:
         """Hook for tests and ablations: the decision about to be committed."""
         s, N = d.s, P + D
         if s <= 0:
@@ -220,7 +220,7 @@ class DynaServeRouter(GlobalScheduler):
             d.first, d.split = d.a, (s, d.b)
         return d
 
-    def _commit(self, d: Decision, now: float) -> None:
+    def _commit(self, d: SplitDecision, now: float) -> None:
         alpha, beta = self.segments(d.prompt, d.predicted, d.s if d.a != d.b else d.prompt + d.predicted, now)
         if d.split is None:  # whole on `first`
             self.view(d.first).commit(alpha or beta, now)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ while the cluster runs. The parts:
 - **Session affinity (PLA-Serve §3.3).** In both regimes a session's later turn goes back to
   the instance that holds its history (its KV is cached there) unless that instance's predicted
   delay plus the cached fill is worse than the best alternative plus the full fill by more than
-  `affinity` seconds.
+  `affinity` seconds (`pla.affinity.SessionHomes`, the part PLA-Serve's router uses too).
 - **Local scheduling** (`flowyard.selector`): FlowPrefill's S-EDF queue order and DynaServe's
   TBT-bounded step budgets on every instance; the budgets may spend the TPOT slack the decodes
   have banked (TPOT is a mean, so long outputs amortise whole prefill chunks as in vLLM).
@@ -46,7 +46,7 @@ other parts off one at a time (`flowyard reproduce flowyard` measures what each 
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +62,7 @@ from flowyard.policies.flowyard.control import RegimeControl
 from flowyard.policies.flowyard.dispatch import indexed_pick
 from flowyard.policies.flowyard.regime import MonitorFlips, RegimePricer
 from flowyard.policies.flowyard.selector import PLACES, SHED_RATES
+from flowyard.policies.pla.affinity import SessionHomes, cached_prefix
 from flowyard.policies.framework.slack import deadline
 
 MODES = ("auto", "colocated", "disaggregated")
@@ -129,8 +130,7 @@ class FlowyardRouter(RegimeControl):
         self.regime = "disaggregated" if c.mode == "disaggregated" else "colocated"
         self.period: float | None = c.period if c.mode != "colocated" else None
         self.switches: list[tuple[float, str]] = []  # (time, regime switched to)
-        self.homes: OrderedDict[str, int] = OrderedDict()
-        self.sent_home = self.sent_away = 0
+        self.sessions = SessionHomes(MAX_SESSIONS)  # where each session's last turn went
         self._tpots: deque[float] = deque(maxlen=256)  # TPOT SLOs of recent arrivals
         self._prompts: deque[int] = deque(maxlen=256)  # their new (uncached) prompt tokens
         self._urgency: deque[float] = deque(maxlen=256)  # their new prompt tokens / TTFT SLO
@@ -167,10 +167,7 @@ class FlowyardRouter(RegimeControl):
             pick = self._colocated_pick(req, view, cands, now)
         pick = self._affine(req, view, pick, cands)
         if req.session is not None and pick is not None:
-            self.homes[req.session] = pick
-            self.homes.move_to_end(req.session)
-            if len(self.homes) > MAX_SESSIONS:
-                self.homes.popitem(last=False)
+            self.sessions.remember(req.session, pick, req.prompt_len)
         return pick
 
     def _colocated_pick(self, req: Request, view: ClusterView, cands: list[int], now: float) -> int:
@@ -229,18 +226,15 @@ class FlowyardRouter(RegimeControl):
         """A later turn of a session to its home, unless home is clearly worse (PLA-Serve)."""
         if self.cfg.affinity is None or req.session is None or not req.history_len or pick is None:
             return pick
-        home = self.homes.get(req.session)
+        known = self.sessions.home(req.session)
+        home = known[0] if known is not None else None
         if home is None or home == pick or home not in cands:
             return pick
         h, p = view.snapshot(home), view.snapshot(pick)
-        cached = min(req.history_len, req.prompt_len - 1) // h.block_size * h.block_size
+        cached = cached_prefix(req.history_len, req.prompt_len, h.block_size)
         t_home = self.arrow.delay(h) + self.arrow.ttft.remaining(cached, req.prompt_len - cached)
         t_pick = self.arrow.delay(p) + self.arrow.ttft(req.prompt_len)
-        if t_home > t_pick + self.cfg.affinity:
-            self.sent_away += 1
-            return pick
-        self.sent_home += 1
-        return home
+        return self.sessions.choose(home, pick, t_home, t_pick, self.cfg.affinity)
 
     def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int:
         if self.regime == "colocated":

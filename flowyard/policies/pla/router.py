@@ -37,7 +37,6 @@ an idle pool give up an instance first, which is what the surrounding text descr
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -46,6 +45,7 @@ from flowyard.core.request import Request
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot, Role
 from flowyard.policies.pla.selector import is_short
+from flowyard.policies.pla.affinity import SessionHomes, cached_prefix
 from flowyard.policies.pla.boundary import LengthModel
 from flowyard.policies.framework.pools import Pools
 
@@ -86,9 +86,7 @@ class PLARouter:
                  boundary: int | None = None, affinity: float | None = None) -> None:
         self.lengths, self.boundary = lengths, boundary
         self.predictor, self.affinity = predictor, affinity
-        # session -> (instance its last turn went to, prompt tokens that turn left there)
-        self.homes: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self.sent_home = self.sent_away = 0  # re-prefills with a known home: where they went
+        self.sessions = SessionHomes(MAX_SESSIONS)  # where each session's last turn went
         self.controller = controller or ControllerConfig()
         self.spatial = spatial
         self.period = self.controller.period if spatial else None
@@ -116,10 +114,7 @@ class PLARouter:
             ids = self._pool(is_short(req, self.lengths, self.boundary), view)
             return min(ids, key=lambda i: (view.snapshot(i).waiting_tokens, i))
         pick = self._route_turn(req, view)
-        self.homes[req.session] = (pick, req.prompt_len)
-        self.homes.move_to_end(req.session)
-        if len(self.homes) > MAX_SESSIONS:
-            self.homes.popitem(last=False)
+        self.sessions.remember(req.session, pick, req.prompt_len)
         return pick
 
     def _route_turn(self, req: Request, view: ClusterView) -> int:
@@ -128,27 +123,25 @@ class PLARouter:
         (uncached) prompt."""
         cold = self._pool(is_short(replace(req, history_len=0), self.lengths, self.boundary), view)
         alt = min(cold, key=lambda i: (view.snapshot(i).waiting_tokens, i))
-        home = self.homes.get(req.session) if req.session is not None and req.history_len else None
+        home = self.sessions.home(req.session) if req.session is not None and req.history_len else None
         if home is None or home[0] not in _entry(view):
             return alt
         inst, held = home
         snap = view.snapshot(inst)
-        cached = min(held, req.history_len, req.prompt_len - 1) // snap.block_size * snap.block_size
+        cached = cached_prefix(min(held, req.history_len), req.prompt_len, snap.block_size)
         if cached <= 0:
             return alt
         if inst != alt:
             warm = self._pool(is_short(replace(req, history_len=cached), self.lengths, self.boundary), view)
             if inst not in warm and inst not in cold:
-                self.sent_away += 1  # home has moved to a pool serving neither fill
+                self.sessions.away()  # home has moved to a pool serving neither fill
                 return alt
             t_home = snap.waiting_tokens * self._per_token + self.predictor.prefill_time(
                 req.prompt_len - cached, cached)
             t_alt = (view.snapshot(alt).waiting_tokens * self._per_token
                      + self.predictor.prefill_time(req.prompt_len))
-            if t_home > t_alt + (self.affinity or 0.0):
-                self.sent_away += 1  # clearly worse: recompute the history elsewhere
-                return alt
-        self.sent_home += 1
+            return self.sessions.choose(inst, alt, t_home, t_alt, self.affinity or 0.0)
+        self.sessions.stayed()  # home is also the least-loaded pick
         return inst
 
     # -- Alg. 2 ----------------------------------------------------------------------------------
