@@ -23,6 +23,7 @@ from flowyard.policies.framework.continuous_batching import BatchConfig, BatchSc
 from flowyard.policies.framework.order import QueueOrder
 from flowyard.policies.pla.selector import PLAConfig, PLASelector, length_model_of, pla_scheduler
 from flowyard.policies.pla.router import PLARouter
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.policy import Policy
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy, policy_requires_predictor
 from flowyard.policies.framework.selector import ChunkedSelector
@@ -156,6 +157,8 @@ class Ticks:
 
 
 class Learns:
+    capabilities = Capabilities(learns=True)
+
     def __init__(self) -> None:
         self.seen = []
 

@@ -115,7 +115,8 @@ class APoint:
 
 
 def _pool_stats(policy) -> tuple[int, int]:
-    pools = getattr(policy.global_scheduler, "pools", None)
+    gs = policy.global_scheduler
+    pools = gs.pools if gs.capabilities.has_pools else None
     if pools is None:
         return 0, 0
     settles = {(Pool.P2D, Pool.D), (Pool.D2P, Pool.P)}

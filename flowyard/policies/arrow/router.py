@@ -42,6 +42,7 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow.pools import (DECODE_SIDE, PREFILL_SIDE, ElasticPools, Pool, QuadraticTTFT,
                                            max_running_tokens)
 from flowyard.policies.arrow.monitor import InstanceMonitor
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot
 
 MODES = ("slo", "minload", "rr")
@@ -80,8 +81,8 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
     """Arrow's dispatcher (Alg. 1), decode router (Alg. 2) and monitor (controller) in one
     object, because all three read and flip the same pools; `arrow_policy` composes it."""
 
-    routes_decode = True
-    routes_mixed = True  # as a decode-router part: asked for MIXED prefills too
+    # routes where MIXED prefills decode (as a whole scheduler and as a decode-router part)
+    capabilities = Capabilities(routes_mixed=True, has_pools=True)
 
     def __init__(self, predictor: CostModel, config: ArrowConfig | None = None, name: str = "arrow") -> None:
         self.cfg = c = config or ArrowConfig()

@@ -26,6 +26,7 @@ import numpy as np
 
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot, Role
 from flowyard.policies.dynaserve.local_batch import LocalConfig, ProfileTable
 from flowyard.policies.dynaserve.lengths import LengthPredictor
@@ -94,7 +95,7 @@ class DynaServeRouter(GlobalScheduler):
 
     def __init__(self, cost: CostModel, lengths: LengthPredictor, cfg: DynaServeConfig = DynaServeConfig()) -> None:
         self.cost, self.lengths, self.cfg = cost, lengths, cfg
-        self.chunked_kv = cfg.chunked_kv  # read by the simulator
+        self.capabilities = Capabilities(chunked_kv=cfg.chunked_kv, learns=True)
         self.token_budget = (max(cfg.chunk_cap // 4, ProfileTable(cost, cfg.local()).budget(0, 0.0))
                              if cfg.slo_batching else cfg.chunk_cap)
         self.views: dict[int, VirtualBatch] = {}

@@ -57,6 +57,7 @@ from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.arrow.router import ArrowConfig, ArrowRouter
 from flowyard.policies.arrow.pools import PREFILL_SIDE
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.contracts import ClusterView
 from flowyard.policies.flowyard.control import RegimeControl
 from flowyard.policies.flowyard.dispatch import indexed_pick
@@ -119,7 +120,8 @@ class FlowyardConfig:
 class FlowyardRouter(RegimeControl):
     """Dispatcher, decode router and controller of `flowyard` (module docstring)."""
 
-    routes_mixed = True  # asked where every MIXED prefill decodes (stay, or Arrow's Alg. 2)
+    # asked where every MIXED prefill decodes (stay, or Arrow's Alg. 2); learns output lengths
+    capabilities = Capabilities(routes_mixed=True, learns=True, has_pools=True)
 
     def __init__(self, predictor: CostModel, cfg: FlowyardConfig | None = None, name: str = "flowyard") -> None:
         self.cfg = c = cfg or FlowyardConfig()

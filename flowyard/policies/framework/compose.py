@@ -7,12 +7,16 @@ instead of subclassing one of them.
 - **Dispatcher** (`route`): the instance a new request starts on.
 - **Splitter** (`split`): given that instance, where the request really starts and whether
   it is cut into micro-requests, (first, (s, B) or None), decided together (DynaServe).
-- **Decode router** (`route_decode`): where a request continues after its prefill; with
-  `routes_mixed` it is also asked for requests prefilled on MIXED instances (Arrow).
+- **Decode router** (`route_decode`): where a request continues after its prefill; one that
+  declares `routes_mixed` is also asked for requests prefilled on MIXED instances (Arrow).
 - **Controllers** (`tick`, `period`): periodic work (Arrow's monitor, PLA's pressure
   controller).
-- **Learners**: any part with `on_finished` hears of every finished request (DynaServe's
-  length predictor).
+- **Learners**: any part that declares `learns` hears of every finished request through
+  `on_finished` (DynaServe's length predictor).
+
+Each part declares what it does beyond its role's methods as a `capabilities.Capabilities`
+(`routes_mixed`, `chunked_kv`, `learns`, `has_pools`); `Composed` reads those declarations and
+declares its own from them.
 
 One object may play several parts when they share state (Arrow's dispatch, decode routing and
 monitor read and flip the same pools).
@@ -24,6 +28,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 from flowyard.cluster.index import least
 from flowyard.core.request import Request, RequestState
+from flowyard.policies.framework.capabilities import Capabilities, capabilities_of
 from flowyard.policies.framework.contracts import ClusterView, GlobalScheduler, InstanceSnapshot, Role
 from flowyard.policies.framework.pools import Pools
 
@@ -58,18 +63,17 @@ class Composed(GlobalScheduler):
         self.dispatcher, self.splitter, self.decode_router = dispatcher, splitter, decode_router
         self.controllers = list(controllers)
         self._pools = pools
-        if getattr(decode_router, "routes_mixed", False):
-            self.routes_decode = True
         periods = [c.period for c in self.controllers if c.period is not None]
         if periods:  # else the class's (None, or a subclass's own timer)
             self.period = min(periods)
         self._ticked: dict[int, float] = {}
-        self.chunked_kv = getattr(splitter, "chunked_kv", True)  # the simulator reads it
-        parts = [dispatcher, splitter, decode_router, *self.controllers]
-        self._learners = []
-        for p in parts:
-            if p is not None and hasattr(p, "on_finished") and p not in self._learners:
-                self._learners.append(p)
+        parts = self.parts
+        self._learners = [p for p in parts if capabilities_of(p).learns]
+        self._pool_keepers = [p for p in parts if capabilities_of(p).has_pools]
+        self.capabilities = Capabilities(
+            routes_mixed=decode_router is not None and capabilities_of(decode_router).routes_mixed,
+            chunked_kv=splitter is None or capabilities_of(splitter).chunked_kv,
+            learns=bool(self._learners), has_pools=pools is not None or bool(self._pool_keepers))
 
     @property
     def parts(self) -> list[object]:
@@ -85,8 +89,8 @@ class Composed(GlobalScheduler):
         """The pool model: the one given, else the one a part keeps (created on first use)."""
         if self._pools is not None:
             return self._pools
-        for p in self.parts:
-            pools = getattr(p, "pools", None)
+        for p in self._pool_keepers:
+            pools = p.pools  # type: ignore[attr-defined]  # declared by has_pools
             if isinstance(pools, Pools):
                 return pools
         return None

@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import Request, RequestState
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.slack import deadline
 
 
@@ -185,12 +186,22 @@ class GlobalScheduler(ABC):
     """Cluster policy: where each request starts and where it continues after prefill."""
 
     name: str = "global"
-    # True: `route_decode` is also asked for requests that finish prefill on a MIXED instance;
-    # an answer other than that instance moves the request there with its KV (Arrow's
-    # stateless instances: where a request decodes is decided when its prefill ends).
-    routes_decode: bool = False
+    # What it does beyond these methods (`framework.capabilities`), declared by the class.
+    capabilities: Capabilities = Capabilities()
     # Seconds between `tick` calls (pool controllers, instance monitors); None: no ticks.
     period: float | None = None
+
+    @property
+    def routes_decode(self) -> bool:
+        """True: `route_decode` is also asked for requests that finish prefill on a MIXED
+        instance; an answer other than that instance moves the request there with its KV (Arrow's
+        stateless instances: where a request decodes is decided when its prefill ends)."""
+        return self.capabilities.routes_mixed
+
+    @property
+    def chunked_kv(self) -> bool:
+        """Whether a split's first micro-request may push its KV chunk by chunk (the simulator)."""
+        return self.capabilities.chunked_kv
 
     def tick(self, view: ClusterView, now: float) -> None:
         """Periodic work of the cluster policy, on the executor's clock."""

@@ -43,6 +43,7 @@ import numpy as np
 
 from flowyard.core.request import Request
 from flowyard.costmodel.base import CostModel
+from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.contracts import ClusterView, InstanceSnapshot, Role
 from flowyard.policies.pla.selector import is_short
 from flowyard.policies.pla.affinity import SessionHomes, cached_prefix
@@ -80,6 +81,8 @@ def _entry(view: ClusterView) -> list[int]:
 class PLARouter:
     """PLA-Serve's global parts over one pool model: the dispatcher (class pools, session
     affinity) and, with spatial pools, the pressure controller (`tick`, every `period`)."""
+
+    capabilities = Capabilities(has_pools=True)
 
     def __init__(self, lengths: LengthModel, predictor: CostModel,
                  controller: ControllerConfig | None = None, spatial: bool = True,
