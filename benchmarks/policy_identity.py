@@ -6,7 +6,9 @@ compare two such records: a refactor of the policies must not change a single de
 
 A record holds, per (policy, workload), the `--json` summary and the `--timeline` trace (every
 step, KV transfer and cluster decision), with the wall-clock fields removed, so `compare` is a
-byte comparison of what the simulator decided. It runs the `flowyard` next to this Python."""
+byte comparison of what the simulator decided. It runs the `flowyard` next to this Python.
+`sim_identity.py` guards simulator speed work by request outcomes on larger runs; this one is
+for refactors of the policies: small runs, and every decision and step event compared."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ class FlowyardSelector(DynaServeSelector):
         if self.order.static:
             return None
         cands = [r for r in self.core.running if r.in_prefill and r.status is Status.RUNNING]
-        cands += [w[2] for w in self._waiting]
+        cands += self.waiting_states()
         if not cands:
             return None
         (late, due, *_), head = min(((self.order.key(st, now, self.ttft_hat), st) for st in cands),
@@ -205,20 +205,21 @@ class FlowyardSelector(DynaServeSelector):
             return super().select(plan, now)
         core = self.core
         key = self.order.key
-        self._rank(now)
+        queued = self.queued(now)
         started = [r for r in core.running if r.in_prefill and r.status is Status.RUNNING]
-        queue = [(key(st, now, self.ttft_hat), 0, k, st, None) for k, st in enumerate(started)]
-        queue += [(key(w[2], now, self.ttft_hat), 1, w[1], w[2], w) for w in self._waiting]
+        # (rank key, started first on ties, their order, state, whether it is queued)
+        queue = [(key(st, now, self.ttft_hat), 0, k, st, False) for k, st in enumerate(started)]
+        queue += [(key(st, now, self.ttft_hat), 1, seq, st, True) for seq, st in queued]
         queue.sort(key=lambda q: (q[0], q[1], q[2]))
         if self.shed and self.order.needs_ttft:
             queue = self._shed(queue, now)
         budget = self.token_budget - plan.num_tokens
-        taken: list[tuple] = []
+        taken: list[RequestState] = []
         admit = True  # False once a queued prompt found no KV: no later one overtakes it
-        for _, _, _, st, entry in queue:
+        for _, _, _, st, is_queued in queue:
             if budget <= 0:
                 break
-            if entry is None:  # started: its KV grows chunk by chunk (held while it waits)
+            if not is_queued:  # started: its KV grows chunk by chunk (held while it waits)
                 if st.status is Status.RUNNING:  # else preempted by an earlier grow this step
                     budget -= self.continue_prompt(st, budget, plan, now)
                 continue
@@ -228,12 +229,10 @@ class FlowyardSelector(DynaServeSelector):
             if not n:
                 admit = False  # started prompts still get their chunks (they hold KV already)
                 continue
-            taken.append(entry)
+            taken.append(st)
             budget -= n
         if taken:
-            gone = {id(e) for e in taken}
-            self._waiting = [w for w in self._waiting if id(w) not in gone]
-            self._waiting_tokens -= sum(e[3] for e in taken)
+            self.dequeue(taken)
         return plan
 
     def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
@@ -256,7 +255,7 @@ class FlowyardSelector(DynaServeSelector):
         """No multi-step decode run while prompts wait or while the decode places rotate
         (more decodes than places, `places` "slack"): S-EDF's ranking, the KV admission rule
         and the places are redone at every step, so a run would not be the steps it stands for."""
-        if self._waiting:
+        if self.num_waiting:
             return False
         if self.places == "fcfs":
             return True

@@ -204,6 +204,18 @@ class ChunkedSelector(PrefillSelector):
     def waiting_states(self) -> list[RequestState]:
         return [w[2] for w in self._waiting]
 
+    def queued(self, now: float) -> list[tuple[int, RequestState]]:
+        """The queued prompts as (arrival number, state), ranked for this round: for a subclass
+        that interleaves them with started prompts in its own order (flowyard's S-EDF)."""
+        self._rank(now)
+        return [(w[1], w[2]) for w in self._waiting]
+
+    def dequeue(self, started: list[RequestState]) -> None:
+        """Take prompts a subclass started out of queue order off the queue."""
+        gone = {id(st) for st in started}
+        self._waiting_tokens -= sum(w[3] for w in self._waiting if id(w[2]) in gone)
+        self._waiting = [w for w in self._waiting if id(w[2]) not in gone]
+
     # -- scheduling --------------------------------------------------------------------------
     def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
         return self.token_budget
