@@ -22,6 +22,25 @@ from flowyard.costmodel.hardware import DEFAULT_CALIBRATION
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "fidelity_published.md"
 
 
+def closed_loop_rates() -> list[str]:
+    """For each closed-loop serving series, the output rate its published numbers imply
+    (clients / P50 TPOT): where it stops growing with the clients, something other than the
+    engine's steps (client, frontend) bounds the run, which a step model cannot predict."""
+    from flowyard.costmodel.published import published_points
+
+    series: dict[tuple, dict[int, float]] = {}
+    for p in published_points():
+        c = (p.workload or {}).get("concurrency") if p.kind == "serving" else None
+        if c and p.metric == "tpot_p50":
+            series.setdefault((p.family, str(p.model), p.hardware, p.tp), {})[int(c)] = c / p.measured * 1e3
+    out = []
+    for (fam, model, hw, tp), rates in series.items():
+        steps = ", ".join(f"{c} → {r:,.0f}" for c, r in sorted(rates.items()))
+        out.append(f"Closed-loop series {fam} {model} {hw} TP{tp}: clients → output tokens/s implied "
+                   f"by the published P50 TPOT: {steps}.")
+    return out
+
+
 def revision() -> str:
     here = Path(__file__).parent
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -103,7 +122,8 @@ def report(out: Path) -> str:
         "",
         f"For each of the {len(fams)} source families ({', '.join(fams)}) the fitted terms are refitted "
         "without it and its points predicted with that fit. In-sample is the 'published' calibration "
-        "(fitted on every non-serving point) on the same points.",
+        "(fitted on every non-serving point, and each profile's frontend latency on its lone-request "
+        "serving TTFTs) on the same points.",
         "",
         "| | points | median abs. error | max abs. error | within 10 % | within 25 % |",
         "|---|---|---|---|---|---|",
@@ -135,14 +155,17 @@ def report(out: Path) -> str:
         "", "## By source family", "",
         *_table("source", breakdown(cv, lambda p: p.family), breakdown(ins, lambda p: p.family)),
         "", "## Engine profiles (in-sample fit)", "",
-        "| profile | step_overhead_s | seq_overhead_s | seq_overhead_layer_s | fitted on | stack |",
-        "|---|---|---|---|---|---|",
+        "| profile | step_overhead_s | seq_overhead_s | seq_overhead_layer_s | frontend_s | fitted on "
+        "| frontend fitted on | stack |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    fit = current_fit()
     for name, e in engine_profiles().items():
         lines.append(f"| {name}{' (default)' if name == DEFAULT_ENGINE_PROFILE else ''} | "
                      f"{e.step_overhead_s:.3g} | {e.seq_overhead_s:.3g} | {e.seq_overhead_layer_s:.3g} | "
-                     f"{', '.join(e.fitted_on) or '—'} | {e.description} |")
-    fit = current_fit()
+                     f"{e.frontend_s:.3g} | {', '.join(e.fitted_on) or '—'} | "
+                     f"{', '.join(fit.fitted_on.get('frontend:' + name, ())) or '—'} | {e.description} |")
+    lines += ["", *closed_loop_rates()]
     lines += ["", "A100 attention terms: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.kernel.items())
               + "; Vidur's profiled kernel only: " + ", ".join(
                   f"{k} {v:.4g}" for d in fit.kernel_only.values() for k, v in d.items()) + ".",
