@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               make_workload, real_point, sim_point, write_report)
 
+from flowyard.experiments.report import source_revision  # noqa: E402
+
 from flowyard.core.goodput import goodput_search  # noqa: E402
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
@@ -69,7 +71,17 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")
     ap.add_argument("--model", default=None, help="served model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--render-only", action="store_true",
+                    help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
+    if args.render_only:
+        if args.work_dir is None or not (Path(args.work_dir) / "rows.json").exists():
+            sys.exit("real_cluster: --render-only needs a --work-dir with rows.json from an earlier run")
+        work = Path(args.work_dir)
+        meta = json.loads((work / "meta.json").read_text())
+        path = write_report(json.loads((work / "rows.json").read_text()), meta, Path(args.out))
+        print(f"wrote {path} from {work}", file=sys.stderr)
+        return
     quick = args.quick
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")
     workloads = (args.workloads or ("code-long" if quick else ",".join(WORKLOADS))).split(",")
@@ -113,13 +125,14 @@ def main() -> None:
                     rows.append({"executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve,
-                                 "fixed_rate": fixed, "real": rp, "sim": sp})
+                                 "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision()})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
                           f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
     meta = {"wall_s": time.time() - started, "machine": platform.processor() or platform.machine(),
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
             "requests_per_point": cfg.requests}
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)
 

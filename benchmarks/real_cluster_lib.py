@@ -13,6 +13,8 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
+
 from flowyard.bench.loadgen import cap_lengths
 from flowyard.bench.serve_bench import run_bench
 from flowyard.core.metrics import summarize
@@ -153,69 +155,38 @@ class Server:
             self.proc.kill()
 
 
-def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a of two rankings (pairs tied in either count as neither)."""
-    n, s = len(a), 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            s += int(math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j])) if a[i] != a[j] and b[i] != b[j] else 0
-    pairs = n * (n - 1) / 2
-    return s / pairs if pairs else math.nan
+def _rows_revisions(rows: list[dict], rev: str) -> str:
+    """Which revision measured which rows (a resumed run spans several)."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        by.setdefault(r.get("revision") or "unrecorded", []).append(f"`{r['policy']}` ({r['executor']})")
+    return "Rows measured at: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items()) + "."
 
 
-def _err(sim: float, real: float) -> float:
-    return (sim - real) / real if real and math.isfinite(real) and math.isfinite(sim) else math.nan
-
-
-def _pct(v: float) -> str:
-    return "n/a" if not math.isfinite(v) else f"{v:+.0%}"
-
-
-def verdicts(rows: list[dict]) -> list[str]:
-    """The issue's three targets, judged from the rows (a target with no data is 'not measured')."""
-    out = []
-    for ex in sorted({r["executor"] for r in rows}):
-        mine = [r for r in rows if r["executor"] == ex]
-        wins, taus, off = [], [], []
-        for wl in sorted({r["workload"] for r in mine}):
-            cell = {r["policy"]: r for r in mine if r["workload"] == wl}
-            fy = cell.get("flowyard")
-            others = [r["real_goodput"] for p, r in cell.items() if p != "flowyard"]
-            if fy is not None and others and max(others) > 0:
-                wins.append((wl, fy["real_goodput"] / max(others)))
-            if len(cell) >= 3:
-                taus.append((wl, kendall_tau([r["real_goodput"] for r in cell.values()],
-                                             [r["sim_goodput"] for r in cell.values()])))
-            off += [abs(_err(r["sim_goodput"], r["real_goodput"])) for r in cell.values()]
-        best = max(wins, key=lambda x: x[1], default=None)
-        out.append(f"- {ex}: flowyard / best other real goodput: "
-                   + (", ".join(f"{w} {x:.2f}×" for w, x in wins) or "not measured")
-                   + (f" — target ≥ 1.2× on one workload: {'met' if best and best[1] >= 1.2 else 'not met'}" if wins else ""))
-        out.append(f"- {ex}: Kendall τ (real vs simulated ranking): "
-                   + (", ".join(f"{w} {t:.2f}" for w, t in taus) or "not measured")
-                   + (f" — target ≥ 0.7 per workload: {'met' if all(t >= 0.7 for _, t in taus) else 'not met'}" if taus else ""))
-        fin = [e for e in off if math.isfinite(e)]
-        out.append(f"- {ex}: simulated goodput within 20 % of real: {sum(e <= 0.2 for e in fin)} of {len(off)} cells")
-        errs = [abs(_err(r["sim"][k], r["real"][k])) for r in mine for k in ("ttft_p50", "tpot_p50")]
-        errs90 = [abs(_err(r["sim"][k], r["real"][k])) for r in mine for k in ("ttft_p90", "tpot_p90")]
-        out.append(f"- {ex}: per-request P50 within 15 %: {sum(e <= 0.15 for e in errs)} of {len(errs)}; "
-                   f"P90 within 25 %: {sum(e <= 0.25 for e in errs90)} of {len(errs90)}")
-    return out
+def _span(lo: float, hi: float) -> str:
+    return f"{lo:.3f} – {'∞' if not math.isfinite(hi) else f'{hi:.3f}'}"
 
 
 def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     rev = source_revision()
     lines = [("" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n")
              + "# Policies on a real cluster, and the simulator's prediction of it", "",
-             f"Revision {rev or 'unknown'}; machine {platform.platform()} ({meta['machine']}, {os.cpu_count()} cores); "
-             f"{meta['requests_per_point']} requests per point; wall {meta['wall_s'] / 60:.1f} min.",
+             _rows_revisions(rows, rev),
+             f"Report written at revision {rev or 'unknown'}; machine {platform.platform()} ({meta['machine']}, {os.cpu_count()} cores); "
+             f"{meta['requests_per_point']} requests per point; wall "
+             + (f"{meta['wall_s'] / 60:.1f} min." if meta.get("wall_s") else "not recorded (a resumed run)."),
              f"Command: `{meta['command']}`. SLOs from the engine's profile: TPOT {meta['slos']['tpot_s'] * 1e3:.0f} ms, "
              f"TTFT by prompt length `{meta['slos']['ttft_by_length']}` (s). Workloads: "
              + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items()), "",
              "## Verdicts", "", *verdicts(rows), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
-    lines.append(md_table(["executor", "workload", "policy", "real", "simulated", "sim error"],
-                          [[r["executor"], r["workload"], f"`{r['policy']}`", f"{r['real_goodput']:.3f}",
-                            f"{r['sim_goodput']:.3f}", _pct(_err(r["sim_goodput"], r["real_goodput"]))] for r in rows]))
+    lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
+              "above it that did not (∞: no rate above failed); the simulated one with a finer search. "
+              "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "
+              "its error, 0 when it is inside.", ""]
+    lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside"],
+                          [[r["executor"], r["workload"], f"`{r['policy']}`", _span(*bracket(r)),
+                            f"{r['sim_goodput']:.3f}", _pct(distance(r["sim_goodput"], *bracket(r)))]
+                           for r in rows]))
     lines += ["", "## Per-request fidelity at a fixed rate", ""]
     lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
                            "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err"],

@@ -63,12 +63,43 @@ def test_kendall_tau_and_verdicts_cannot_pass_on_nothing():
             for p in ("vllm", "distserve", "flowyard")]
     text = "\n".join(rc.verdicts(rows))
     assert "1.2× on one workload: met" not in text and "0.7 per workload: met" not in text
-    assert "within 20 % of real: 0 of 3" in text and "P50 within 15 %: 0 of" in text
+    assert "within 20 % of every real value its bracket allows: 0 of 3" in text and "P50 within 15 %: 0 of" in text
     rows[2]["real_goodput"], rows[0]["real_goodput"], rows[1]["real_goodput"] = 1.3, 1.0, 0.5
     for r, s in zip(rows, (1.0, 0.4, 1.2)):
         r["sim_goodput"] = s
     text = "\n".join(rc.verdicts(rows))
-    assert "w 1.30×" in text and "1.2× on one workload: met" in text and "0.7 per workload: met" in text
+    assert "w 1.30×–1.30×" in text and "1.2× on one workload: met" in text
+    assert "w 1.00 over 3 of 3 pairs" in text and "0.7 per workload: met" in text
+
+
+def _row(policy, lo, fail, sim):
+    """A real search that met the SLOs at `lo` and missed them at `fail` (None: never missed)."""
+    curve = [[lo, 1.0]] + ([[fail, 0.5]] if fail is not None else [])
+    zero = {k: 1.0 for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")}
+    return {"executor": "local", "workload": "w", "policy": policy, "real_goodput": lo, "real_curve": curve,
+            "sim_goodput": sim, "real": zero, "sim": dict(zero)}
+
+
+def test_a_two_rate_search_is_a_bracket_not_a_point():
+    # as measured: real met at 0.45 and missed at 1.13; the simulator says 0.90 (inside)
+    r = _row("vllm", 0.45, 1.13, 0.90)
+    assert rc.bracket(r) == (0.45, 1.13) and rc.distance(0.90, *rc.bracket(r)) == 0
+    assert rc.verdicts([r])[2].endswith("0 of 1 cells; off by more than 20 %: 0; undecided (bracket too wide): 1")
+    assert rc.bracket(_row("x", 0.8, None, 1.0))[1] == float("inf")
+    from real_cluster_verdicts import sim_vs_real
+
+    assert sim_vs_real(1.0, 0.9, 1.1) == "within" and sim_vs_real(1.0, 0.5, 0.8) == "off"
+    assert sim_vs_real(1.0, 1.3, 2.0) == "off" and sim_vs_real(1.0, 0.5, 2.0) == "undecided"
+
+
+def test_overlapping_brackets_order_nothing_and_decide_no_ratio():
+    rows = [_row("vllm", 0.45, 1.13, 0.9), _row("flowprefill", 0.81, 2.03, 1.6), _row("flowyard", 0.63, 1.58, 1.3)]
+    text = "\n".join(rc.verdicts(rows))
+    assert "no pair ordered" in text and "0.7 per workload: undecided" in text
+    assert "1.2× on one workload: undecided (brackets too wide)" in text
+    rows[2] = _row("flowyard", 2.5, 3.0, 2.6)  # above every other bracket by more than 1.2x
+    text = "\n".join(rc.verdicts(rows))
+    assert "1.2× on one workload: met" in text and "over 2 of 3 pairs" in text
 
 
 def test_a_real_point_against_flowyard_serve(tiny):

@@ -46,6 +46,12 @@ class CostModel(ABC):
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV that fit in the instance's memory after weights and activations."""
 
+    def frontend_latency(self) -> Seconds:
+        """Time a request spends in the serving frontend (HTTP, tokenizing, the hop to the
+        engine, the first token's way back) that a client's TTFT includes and no step does;
+        the simulator delays every arrival by it. 0 unless the cost model emulates a stack."""
+        return 0.0
+
     def op_times(self, shape: BatchShape) -> dict[str, Seconds]:
         """Whole-step time per operator (layer operators summed over all layers)."""
         out = {k: v * self.num_layers for k, v in self.layer_op_times(shape).items()}
@@ -104,6 +110,9 @@ class ScaledCostModel(CostModel):
 
     def kv_bytes_per_token(self) -> int:
         return self.base.kv_bytes_per_token()
+
+    def frontend_latency(self) -> Seconds:
+        return self.base.frontend_latency()
 
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()

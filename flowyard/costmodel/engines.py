@@ -5,8 +5,9 @@ magnitude is the host time around them. An eager engine that rebuilds its inputs
 every kernel from Python each step pays milliseconds per step and tens of microseconds per
 sequence; an engine that replays CUDA graphs and prepares step n+1 while step n runs (vLLM's
 V1 engine with async scheduling, SGLang's overlap scheduler) hides most of it. A profile names
-one such stack and carries its three terms (RooflineParams.step_overhead_s, seq_overhead_s,
-seq_overhead_layer_s), each fitted by `python -m flowyard.costmodel.fit --write` on the
+one such stack and carries its host terms (RooflineParams.step_overhead_s, seq_overhead_s,
+seq_overhead_layer_s, and frontend_s: the latency of the stack's HTTP frontend, which a client's
+TTFT includes and a step does not), each fitted by `python -m flowyard.costmodel.fit --write` on the
 published points of its own source family (`fitted_on`) and stored in
 flowyard/data/calibration.json with the fit's revision. A profile with no step-level points
 of its own has none: it is not offered.
@@ -28,7 +29,7 @@ DEFAULT_ENGINE_PROFILE = "vllm-v1"
 # `flowyard reproduce --engine-profile` sets this for the experiments it runs (they build
 # their own SimConfigs); an explicit profile always wins over it.
 ENV_VAR = "FLOWYARD_ENGINE_PROFILE"
-HOST_TERMS = ("step_overhead_s", "seq_overhead_s", "seq_overhead_layer_s")
+HOST_TERMS = ("step_overhead_s", "seq_overhead_s", "seq_overhead_layer_s", "frontend_s")
 
 DESCRIPTIONS = {
     "eager-2023": "eager PyTorch step loop, synchronous scheduling: Sarathi-Serve / vLLM of 2023 "
@@ -50,6 +51,7 @@ class EngineProfile:
     seq_overhead_s: float
     seq_overhead_layer_s: float
     fitted_on: tuple[str, ...]
+    frontend_s: float = 0.0
 
     def terms(self) -> dict[str, float]:
         """The RooflineParams fields this profile sets."""
@@ -68,7 +70,7 @@ def engine_profiles() -> dict[str, EngineProfile]:
     for name, d in calibration_data()["engines"].items():
         out[name] = EngineProfile(name, DESCRIPTIONS.get(name, ""), float(d["step_overhead_s"]),
                                   float(d["seq_overhead_s"]), float(d["seq_overhead_layer_s"]),
-                                  tuple(d.get("fitted_on", ())))
+                                  tuple(d.get("fitted_on", ())), float(d.get("frontend_s", 0.0)))
     return out
 
 

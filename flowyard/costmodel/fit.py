@@ -6,7 +6,8 @@ those profiles cannot say: the A100 attention terms (eff_attn, attn_tile, eff_at
 attn_fixed_s), the extra causal cost of the one kernel Vidur profiled (KERNEL_TERMS, its rows
 only) and, per engine profile (costmodel.engines), the host-side terms -- each profile only on
 the points its own stacks measured. Serving runs are replayed in the simulator
-(costmodel.replay) and never fitted on: they only check. A point whose engine profile a fit
+(costmodel.replay) and only check, save one term: each profile's frontend latency, fitted on
+its stacks' lone-request TTFTs (refit.fit_frontend), since no step measures it. A point whose engine profile a fit
 has no points of is priced with the default profile (else the prior).
 
 Reproduce flowyard/data/calibration.json (the 'published' calibration) with
@@ -60,7 +61,7 @@ class Fit:
         for name in (engine, DEFAULT_ENGINE_PROFILE):
             if self.fitted_on.get(name):
                 return {k: 0.0 for k in HOST_TERMS} | self.engines[name]
-        return {k: (PRIOR[k] if k != "seq_overhead_layer_s" else 0.0) for k in HOST_TERMS}
+        return {k: (PRIOR[k] if k in ENGINE_KEYS[DEFAULT_ENGINE_PROFILE] else 0.0) for k in HOST_TERMS}
 
     def hardware(self, name: str, engine: str, kernel: str = "") -> HardwareSpec:
         """The catalog GPU `name` with this fit's terms, as `calibrated` builds it."""
@@ -77,16 +78,19 @@ class Fit:
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "kernel_only": self.kernel_only,
                 "engines": {e: {**{k: 0.0 for k in HOST_TERMS}, **v,
-                                "fitted_on": list(self.fitted_on.get(e, ()))}
+                                "fitted_on": list(self.fitted_on.get(e, ())),
+                                "frontend_fitted_on": list(self.fitted_on.get(f"frontend:{e}", ()))}
                             for e, v in self.engines.items()}}
 
 
 def current_fit() -> Fit:
     """The fit stored in flowyard/data/calibration.json (the 'published' calibration)."""
     d = calibration_data()
-    engines = {e: {k: float(v[k]) for k in HOST_TERMS} for e, v in d["engines"].items()}
-    return Fit(dict(d["kernel"]), {k: dict(v) for k, v in d["kernel_only"].items()}, engines,
-               {e: tuple(v.get("fitted_on", ())) for e, v in d["engines"].items()})
+    engines = {e: {k: float(v.get(k, 0.0)) for k in HOST_TERMS} for e, v in d["engines"].items()}
+    on = {e: tuple(v.get("fitted_on", ())) for e, v in d["engines"].items()}
+    on |= {f"frontend:{e}": tuple(v["frontend_fitted_on"]) for e, v in d["engines"].items()
+           if v.get("frontend_fitted_on")}
+    return Fit(dict(d["kernel"]), {k: dict(v) for k, v in d["kernel_only"].items()}, engines, on)
 
 
 @dataclass(frozen=True)
@@ -216,9 +220,15 @@ def fittable(points: list[Point]) -> list[Point]:
 def fitted_on(calibration: str) -> list[Point]:
     """The published points a calibration's terms were fitted on, so a report that predicts one
     of them labels it a fit input rather than a check: 'published' (`python -m
-    flowyard.costmodel.fit --write`) is fitted on every point but the serving replays, 'vidur' on
+    flowyard.costmodel.fit --write`) is fitted on every point but the serving replays, and on
+    the lone-request serving TTFTs (frontend latency); 'vidur' on
     Vidur's operator profiles only, none of which are points here."""
-    return fittable(published_points()) if calibration == "published" else []
+    if calibration != "published":
+        return []
+    from flowyard.costmodel.refit import lone_request_ttfts
+
+    pts = published_points()
+    return fittable(pts) + lone_request_ttfts(pts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                                cwd=CALIBRATION_FILE.parent).stdout.strip()
         doc = {"note": "written by python -m flowyard.costmodel.fit --write at revision "
                        f"{rev}{' (uncommitted changes)' if dirty else ''} from "
-                       f"{len(fittable(pts))} published points (serving replays never fitted)",
+                       f"{len(fittable(pts))} published points, frontend latencies on the lone-request "
+                       "serving TTFTs",
                **fit.to_json()}
         CALIBRATION_FILE.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {CALIBRATION_FILE}")

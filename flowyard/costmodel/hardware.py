@@ -36,6 +36,9 @@ class RooflineParams:
     attn_fixed_s  fixed time of each attention kernel that runs (prefill and decode)
     attn_causal_extra  extra cost per pair of a new token's causal block (vs a cached pair)
     seq_overhead_layer_s  per-sequence CPU time per decoder layer (added to seq_overhead_s)
+    frontend_s    latency of the serving frontend a client's request crosses before it reaches
+                  the scheduler (HTTP, tokenizing, the hop to the engine process, streaming the
+                  first token back); not a step cost: the simulator delays arrivals by it
     """
 
     eff_compute: float
@@ -66,6 +69,10 @@ class RooflineParams:
     # layers) from the same ~1.09 ms intercept (slope ratio 1.47, layer ratio 1.5). 0 under
     # 'vidur'; fitted under 'published'.
     seq_overhead_layer_s: float = 0.0
+    # Client-visible frontend latency of the serving stack (an engine profile's term, fitted
+    # under 'published' on lone requests' TTFT; 0 under 'vidur' and for our own engine, whose
+    # frontend is real time, not simulated).
+    frontend_s: float = 0.0
 
 
 # Fitted by `python -m flowyard.costmodel.calibrate` on the Vidur a100 (Meta-Llama-3-8B,

@@ -5,8 +5,8 @@ kernel-only term of Vidur's profiled kernel, each engine profile's host terms on
 stacks' points) by Nelder-Mead in log space from the 'vidur' calibration's assumed values
 (fit.PRIOR), staged: the kernel terms first, then each profile on its own points, then all
 together. The loss is the mean |log(predicted/measured)| with every (source family, kind)
-group weighted alike, so 39 Vidur rows do not outvote four vLLM runs; serving replays are
-never fitted. `cross_validate` refits without each source family in turn.
+group weighted alike, so 39 Vidur rows do not outvote four vLLM runs; serving replays enter no
+step term, and only their lone-request TTFTs fit each profile's frontend latency (fit_frontend). `cross_validate` refits without each source family in turn.
 """
 
 from __future__ import annotations
@@ -109,7 +109,46 @@ def fit_points(points: list[Point], iters: int = 1500, restarts: int = 1) -> Fit
               [p for p in pts if p.engine == e and p.kind in HOST_KINDS], 1.0, iters // 4)
     for _ in range(restarts):
         stage(list(range(len(keys))), pts, 0.3, iters)
-    return build(x)
+    return fit_frontend(build(x), points)
+
+
+def lone_request_ttfts(points: list[Point]) -> list[Point]:
+    """Per series of serving runs (source family, stack, model, GPU, TP, dataset, open or closed
+    loop), the P50 TTFT point at the lowest load: the run where a request's TTFT is closest to
+    its engine's prefill plus the frontend, with the least queueing for the scheduler model to
+    get wrong."""
+    lowest: dict[tuple, tuple[float, Point]] = {}
+    for p in points:
+        if p.kind != "serving" or p.metric != "ttft_p50":
+            continue
+        w = p.workload
+        closed = w.get("concurrency") is not None
+        load = float(w["concurrency"] if closed else w.get("rate") or math.inf)
+        key = (p.family, p.engine, str(p.model), p.hardware, p.tp, str(w.get("trace")), closed)
+        if key not in lowest or load < lowest[key][0]:
+            lowest[key] = (load, p)
+    return [p for _, p in lowest.values()]
+
+
+def fit_frontend(fit: Fit, points: list[Point]) -> Fit:
+    """`fit` with each engine profile's frontend latency: the constant that, added to the
+    simulated TTFT of its stacks' lone-request serving runs (lone_request_ttfts), best matches
+    the published TTFT (least squares in relative error, not below 0). A profile with no such
+    run keeps 0. Fitted after the step terms, which never see serving runs, on the simulator's
+    replays of those runs with the fitted step terms."""
+    engines = {e: {**v, "frontend_s": 0.0} for e, v in fit.engines.items()}
+    on = dict(fit.fitted_on)
+    lone = lone_request_ttfts(points)
+    for e in ENGINE_KEYS:
+        pts = [p for p in lone if p.engine == e]
+        if not pts:
+            continue
+        pred = np.array(predict_fit(Fit(fit.kernel, fit.kernel_only, engines, on), pts))
+        m = np.array([p.measured for p in pts])
+        gap_ms = float(np.sum((m - pred) / m ** 2) / np.sum(1.0 / m ** 2))
+        engines[e]["frontend_s"] = max(0.0, gap_ms) / 1e3
+        on[f"frontend:{e}"] = tuple(sorted({p.family for p in pts}))
+    return Fit(fit.kernel, fit.kernel_only, engines, on)
 
 
 

@@ -302,6 +302,9 @@ class RooflineCostModel(CostModel):
         """2 (K,V) * layers * kv_heads_per_gpu * head_dim * dtype bytes, on one GPU."""
         return self.num_layers * self._kv_b
 
+    def frontend_latency(self) -> Seconds:
+        return self.hardware.params.frontend_s
+
     def kv_capacity_tokens(self) -> int:
         """(memory * util - weights/GPU - activation reserve) / KV bytes per token. Every GPU of
         the group holds its shard of every token, so this is the instance's capacity."""

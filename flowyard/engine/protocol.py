@@ -7,14 +7,18 @@ or a test double can stand behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 from flowyard.core.request import SLO
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 
+if TYPE_CHECKING:  # it imports torch; the protocol does not need it at run time
+    from flowyard.engine.preemption import PreemptionStats
+
 
 class TokenizerLike(Protocol):
-    eos_token_ids: Sequence[int]
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -38,7 +42,7 @@ class EngineStats:
     # each instance: {"instance", "role", "state" ("serving" | "restarting"), "running", "waiting",
     # "kv_usage"}: what /health shows a load balancer or an operator
     instances: list[dict] = field(default_factory=list)
-    preemption: object | None = None  # engine.preemption.PreemptionStats, when the engine preempts
+    preemption: PreemptionStats | None = None  # when the engine preempts
     cpu_threads: int | None = None  # threads the steps run on, where they run in this process
 
 
@@ -59,7 +63,9 @@ class EngineUnavailableError(RuntimeError):
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
-    tokenizer: TokenizerLike
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, slo: SLO | None = None,

@@ -25,7 +25,7 @@ from typing import Callable
 from flowyard.cluster.core import DecisionLog
 from flowyard.cluster.timeline import Timeline
 from flowyard.cluster.turns import Turns
-from flowyard.core.kvcache import cdiv
+from flowyard.core.kvcache import KVCacheManager, cdiv
 from flowyard.core.request import SLO, RequestState
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
@@ -33,7 +33,7 @@ from flowyard.engine.model import CausalLM
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.engine.tokenizer import Tokenizer
-from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role
 from flowyard.policies.framework.policy import Policy
 from flowyard.runtime.base import ClusterBase
 
@@ -53,8 +53,7 @@ class LocalCluster(ClusterBase):
         self.tokenizer = tokenizer
         self.engines = [
             LLMEngine(model, tokenizer, config, name, instance=i, role=role, ids=ids, t0=t0, clock=clock,
-                      scheduler=lambda kv, max_len, i=i: policy.make_local(
-                          i, kv, max_model_len=max_len, single_step=True))
+                      scheduler=_local_scheduler(policy, i))
             for i, role in enumerate(policy.roles)
         ]
         self.max_model_len = min(e.max_model_len for e in self.engines)
@@ -262,3 +261,8 @@ class LocalCluster(ClusterBase):
             return False
         tracked = self.engines[where].tracked(request_id)
         return tracked is not None and self.core.migrate(tracked.state, where, dst, self.now())
+
+
+def _local_scheduler(policy: Policy, i: int) -> Callable[[KVCacheManager, int], LocalScheduler]:
+    """Instance i's scheduler factory: the engine builds it once it knows its KV and length."""
+    return lambda kv, max_len: policy.make_local(i, kv, max_model_len=max_len, single_step=True)

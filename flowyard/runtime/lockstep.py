@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flowyard.core.plan import BatchShape, StepPlan
 
@@ -86,6 +86,18 @@ class LockstepActor:
 
     engine: Any
     vnow: float
+    errors: list  # refusals and lost migrations (RequestOutput), sent with the next step
+    events: list[tuple]
+    arriving: list[tuple[str, Any]]
+    admitted: list[tuple[int, int]]
+
+    if TYPE_CHECKING:  # defined by EngineActor
+        async def _run(self, seq: int, fn: Callable[..., Any], *args: Any) -> Any: ...
+        def _apply_add(self, rid: str, state: Any, params: Any, seq: int | None = None) -> None: ...
+        def _step(self, admit: bool = True) -> Any: ...
+        def _drain(self, only_adds: bool = False) -> None: ...
+        def _receive(self, block: bool = False) -> None: ...
+        def _admit(self) -> None: ...
 
     def _lockstep_hooks(self) -> None:
         self._stepper = Stepper()
@@ -118,15 +130,15 @@ class LockstepActor:
 
     def _lockstep_add(self, now: float, rid: str, state, params) -> list[tuple]:
         self.vnow = now
-        n = len(self.errors)  # type: ignore[has-type]
-        self._apply_add(rid, state, params)  # type: ignore[attr-defined]
-        del self.errors[n:]  # type: ignore[has-type]  # a refusal: the driver raises it to its caller
+        n = len(self.errors)
+        self._apply_add(rid, state, params)
+        del self.errors[n:]  # a refusal: the driver raises it to its caller
         events, self.events = self.events, []
         return events
 
     def _lockstep_step(self, now: float):
         self.vnow = self._step_start = now
-        paused, value = self._stepper.start(lambda: self._step(admit=False))  # type: ignore[attr-defined]
+        paused, value = self._stepper.start(lambda: self._step(admit=False))
         return value
 
     def _lockstep_resume(self, now: float):
@@ -138,9 +150,9 @@ class LockstepActor:
 
     def _lockstep_admit(self, now: float) -> list[tuple[int, int]]:
         self.vnow = now
-        self._drain()  # type: ignore[attr-defined]
-        if self.arriving:  # type: ignore[has-type]
-            self._receive(block=True)  # type: ignore[attr-defined]
-        self._admit()  # type: ignore[attr-defined]
+        self._drain()
+        if self.arriving:
+            self._receive(block=True)
+        self._admit()
         admitted, self.admitted = self.admitted, []
         return admitted

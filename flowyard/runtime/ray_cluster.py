@@ -33,14 +33,13 @@ from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.policy import Policy
-from flowyard.runtime.base import ClusterBase
 from flowyard.runtime.ray_actor import EngineActor
 from flowyard.runtime.ray_faults import RayFaults
 from flowyard.runtime.ray_lockstep import RayLockstep
 from flowyard.runtime.ray_reports import RayReports
 
 
-class RayCluster(RayReports, RayLockstep, RayFaults, ClusterBase):
+class RayCluster(RayReports, RayLockstep, RayFaults):
     """`LocalCluster`'s surface over Ray actors (what `AsyncLLMEngine` and the server drive).
 
     Failures: every actor has a `watch` call outstanding that only returns when the actor

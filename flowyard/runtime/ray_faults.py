@@ -12,22 +12,15 @@ here get their spans.
 
 from __future__ import annotations
 
-from typing import Any
 
 from flowyard.engine.protocol import EngineUnavailableError
 from flowyard.engine.sampling import RequestOutput
 from flowyard.policies.framework.contracts import Role
+from flowyard.runtime.ray_state import RayState
 
 
-class RayFaults:
-    """Mixed into `RayCluster`: it provides the actors, the routing tables and `add_request`."""
-
-    RETRY_AFTER_S: float
-    _down: dict[int, Any]
-    _watch: dict[int, Any]
-    _prefix: dict[int, tuple[int, int]]
-    _prefix_retired: tuple[int, int]
-    _wake_at: list[float | None]
+class RayFaults(RayState):
+    """A part of `RayCluster` (state: `RayState`): deaths, re-dispatch and replacements."""
 
     def _instance_died(self, i: int) -> list[RequestOutput]:
         """Re-dispatch what had not started there; fail, with a retryable error, what had (its

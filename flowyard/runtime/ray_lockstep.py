@@ -19,19 +19,17 @@ What lockstep changes (the actor side is `flowyard.runtime.lockstep`):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from flowyard.cluster.turns import Turns
 from flowyard.core.request import RequestState
 from flowyard.engine.sampling import RequestOutput
 from flowyard.runtime.lockstep import StepPause
+from flowyard.runtime.ray_state import RayState
 
 
-class RayLockstep:
-    """Mixed into `RayCluster`: it provides the actors, `_call`, `_apply` and the core."""
-
-    _ray: Any
-    _busy: list[bool]
+class RayLockstep(RayState):
+    """A part of `RayCluster` (state: `RayState`): one actor steps at a time."""
 
     def _init_lockstep(self, lockstep: bool, n: int) -> None:
         self.lockstep = lockstep
@@ -55,32 +53,32 @@ class RayLockstep:
         return self.turns.next_wake()
 
     def _lockstep_add(self, instance: int, st: RequestState, now: float) -> bool:
-        events = self._ray.get(self._call(instance, "lockstep_add", now, self._rid[st.id], st,  # type: ignore[attr-defined]
-                                          self._new[st.id]))  # type: ignore[attr-defined]
+        events = self._ray.get(self._call(instance, "lockstep_add", now, self._rid[st.id], st,
+                                          self._new[st.id]))
         for event in events:
             if event[0] == "reject":
                 st.reject_reason = event[3]
                 return False
-            self.core.preempted(instance, event[1], event[2])  # type: ignore[attr-defined]
-        self._mark_busy(instance)  # type: ignore[attr-defined]
+            self.core.preempted(instance, event[1], event[2])
+        self._mark_busy(instance)
         self._kick(instance)
         return True
 
     def _lockstep_admit(self, i: int) -> None:
         """Instance i takes in what was moved to it and imports the KV it has room for; each
         source then frees its copy."""
-        for req_id, src in self._ray.get(self._call(i, "lockstep_admit", self.now())):  # type: ignore[attr-defined]
-            self._released([(req_id, src)])  # type: ignore[attr-defined]
+        for req_id, src in self._ray.get(self._call(i, "lockstep_admit", self.now())):
+            self._released([(req_id, src)])
             self._kick(i)
 
     def _lockstep_step(self) -> list[RequestOutput]:
         """One actor step, from the head of the queue (actors that find nothing to run are
         passed over), then the cluster core's hand-offs and moves for what it produced."""
-        outputs, self._failed = self._failed, []  # type: ignore[has-type]
-        self._periodic(self.has_unfinished())  # type: ignore[attr-defined]
+        outputs, self._failed = self._failed, []
+        self._periodic(self.has_unfinished())
         turns = self.turns
-        turns.wake_due(self.now())  # type: ignore[attr-defined]
-        for i in self.instance_ids():  # type: ignore[attr-defined]  # a safety net, as LocalCluster's
+        turns.wake_due(self.now())
+        for i in self.instance_ids():  # a safety net, as LocalCluster's
             if self._busy[i] and not self._idle[i] and i not in turns.ready:
                 turns.ready.append(i)
         while turns.ready:
@@ -89,28 +87,28 @@ class RayLockstep:
             try:
                 report = self._lockstep_run(i)
             except self._ray.exceptions.RayActorError:
-                outputs += self._instance_died(i)  # type: ignore[attr-defined]
+                outputs += self._instance_died(i)
                 continue
             finally:
                 turns.running = None
             if report.idle:  # found nothing to run: wait for an event or the wake-up time
                 turns.wait(i, report.wake)
                 if not report.outputs:
-                    self._snaps[i], self._busy[i] = report.snapshot, report.busy  # type: ignore[attr-defined]
+                    self._snaps[i], self._busy[i] = report.snapshot, report.busy
                     continue
             else:
                 turns.kick(i)  # to the back, before whatever its step sends elsewhere
-            outputs += self._apply(i, report)  # type: ignore[attr-defined]
+            outputs += self._apply(i, report)
             self._lockstep_admit(i)
             break
         return outputs
 
     def _lockstep_run(self, i: int):
-        value = self._ray.get(self._call(i, "lockstep_step", self.now()))  # type: ignore[attr-defined]
+        value = self._ray.get(self._call(i, "lockstep_step", self.now()))
         while isinstance(value, StepPause):
             if self.on_pause is not None:
                 self.on_pause(value)
-            value = self._ray.get(self._call(i, "lockstep_resume", self.now()))  # type: ignore[attr-defined]
+            value = self._ray.get(self._call(i, "lockstep_resume", self.now()))
         self._stale.discard(i)
         self._idle[i] = value.idle or not value.busy
         return value

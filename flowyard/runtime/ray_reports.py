@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput
 from flowyard.policies.framework.contracts import InstanceSnapshot, StepResult
+from flowyard.runtime.ray_state import RayState
 
 
 class StepCounters(NamedTuple):
@@ -66,8 +67,8 @@ def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, 
 
 
 
-class RayReports:
-    """Mixed into `RayCluster`: applying the actors' reports."""
+class RayReports(RayState):
+    """A part of `RayCluster` (state: `RayState`): applying the actors' reports."""
 
     _ray: Any
     _busy: list[bool]
@@ -89,7 +90,7 @@ class RayReports:
         # A scheduler that found nothing to run and named a time (a batching window) is stepped
         # again then, or at the next event (`_mark_busy`), as in the simulator: not polled.
         later = report.idle and report.wake_in is not None and i not in self._sent_during_step
-        self._wake_at[i] = self.now() + report.wake_in if later else None  # type: ignore[attr-defined,operator]
+        self._wake_at[i] = self.now() + report.wake_in if later else None  # type: ignore[operator]
         self._preemption[i] = report.preemption
         self._sent_during_step.discard(i)
         for rid, src, dst, start, end in report.transfers:

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import Any
 
 from flowyard.cliargs import positive_int
 
@@ -127,19 +128,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             import dataclasses
 
             policy.configs = {r: dataclasses.replace(c, order="priority") for r, c in policy.configs.items()}
+    # One LLMEngine, a LocalCluster or a RayCluster: AsyncLLMEngine drives any of them through
+    # the same surface (add_request, step, abort, has_unfinished, num_waiting), duck-typed.
+    engine: Any
     if use_ray:
         from flowyard.runtime.ray_cluster import RayCluster
 
+        assert policy is not None  # --ray always builds a policy (the condition above)
         engine = RayCluster(args.model, policy, config, address=args.ray_address, timeline=timeline,
                             decisions=decisions)
     else:
-        engine = LLMEngine.from_path(args.model, config)
-        engine.warm_up()  # the instances of a LocalCluster share its model, so this warms them too
-    if policy is not None and not use_ray:
-        from flowyard.runtime.cluster import LocalCluster
+        single = LLMEngine.from_path(args.model, config)
+        single.warm_up()  # the instances of a LocalCluster share its model, so this warms them too
+        engine = single
+        if policy is not None:
+            from flowyard.runtime.cluster import LocalCluster
 
-        engine = LocalCluster(engine.model, engine.tokenizer, policy, config, engine.model_name, timeline=timeline,
-                              decisions=decisions)
+            engine = LocalCluster(single.model, single.tokenizer, policy, config, single.model_name,
+                                  timeline=timeline, decisions=decisions)
     if policy is not None:
         where = "Ray actors" if use_ray else "this process"
         print(f"flowyard: {args.instances} instance(s) in {where}, policy {policy.name} "

@@ -92,9 +92,9 @@ class _EngineStatsCollector(Collector):
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
 
-    def _families(self) -> list[Metric]:
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         lab = ["model_name"]
-        out: list[Metric] = []
+        out: list[GaugeMetricFamily | CounterMetricFamily] = []
         for p in PREFIXES:
             out += [
                 GaugeMetricFamily(p + "num_requests_running", "Requests in model execution batches.", labels=lab),
@@ -113,7 +113,8 @@ class _EngineStatsCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        fams = self._families()
+        base = self._families()
+        fams: list[Metric] = list(base)
         try:
             s = self.engine.stats()
         except Exception:  # a scrape must not fail because the engine is unwell
@@ -122,7 +123,7 @@ class _EngineStatsCollector(Collector):
         values = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                   "kv_cache_usage_perc": s.kv_usage, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
                   "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
-        for fam in fams:
+        for fam in base:
             suffix = fam.name.split(":", 1)[1]
             fam.add_metric([self.model_name], float(values[LEGACY_VLLM.get(suffix, suffix)]))
         p = s.preemption

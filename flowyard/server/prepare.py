@@ -52,7 +52,8 @@ class Prepared:
     @property
     def routing(self) -> dict:
         """What the global scheduler learns besides the prompt (only what the client gave)."""
-        out = {k: v for k, v in (("session", self.session), ("task", self.task)) if v is not None}
+        out: dict[str, str | int] = {k: v for k, v in (("session", self.session), ("task", self.task))
+                                     if v is not None}
         if self.priority:
             out["priority"] = self.priority
         return out
@@ -236,6 +237,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: EngineClient, served: str,
     ids = encode(engine.tokenizer, text, False, "messages")
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
+    mt: int | None
     if req.max_completion_tokens is not None:
         mt, mt_param = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -20,9 +20,11 @@ the simulator keeps no closed-loop bookkeeping of its own. Sources plan
 from the immutable `Request`s when they are made (bad settings fail before a run) and bind the
 mutable states per run, because the simulator owns those.
 
-The time at which an ARRIVAL event fires is the request's arrival: the simulator rewrites
-`Request.arrival` to it (with `dataclasses.replace`, ids unchanged), so TTFT and throughput are
-measured from when a closed-loop client actually sent the request, not from the trace.
+The time a source returns is the request's arrival (when its client sent it): the simulator
+rewrites `Request.arrival` to it (with `dataclasses.replace`, ids unchanged), so TTFT and
+throughput are measured from when a closed-loop client actually sent the request, not from the
+trace. The ARRIVAL event fires the cost model's frontend latency later (0 unless it emulates a
+serving stack's HTTP frontend), when the request reaches the scheduler.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Events live in one heap ordered by (time, kind, sequence number): at equal times arrivals come
 first, then step ends, then KV landings, each kind in insertion order, so a run is
 deterministic. Events: a request arrives (from an `ArrivalSource`, `flowyard/sim/arrivals.py`:
-trace replay or closed-loop clients; its arrival is recorded as the time the event fires); an
+trace replay or closed-loop clients; its arrival is its send time, and the event fires the
+cost model's frontend latency later, when it reaches the scheduler); an
 instance finishes the step(s) it was running; a KV transfer lands. Step times: the cost model.
 
 KV transfer times, whole or pushed chunk by chunk for micro-requests: `kv_push.py`.
@@ -76,6 +77,9 @@ class Simulator:
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
         self.policy = policy
         self.cost = cost_model
+        # A request reaches the scheduler this long after its client sent it (its arrival):
+        # the emulated stack's frontend, which the client's TTFT includes.
+        self.frontend = cost_model.frontend_latency()
         self.topology = topology
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
@@ -212,7 +216,9 @@ class Simulator:
 
     def _send(self, due: Due) -> None:
         for t, st in due:
-            self._push(t, ARRIVAL, st)
+            if st.req.arrival != t:  # sent by a closed-loop client: arrival = send time
+                st.req = replace(st.req, arrival=t)
+            self._push(t + self.frontend, ARRIVAL, st)
 
     def _ended(self, st: RequestState, reject: str | None = None) -> None:
         """st finished, or is rejected for `reject`: count it; the arrival source may send more."""
@@ -225,8 +231,6 @@ class Simulator:
 
     # -- handlers ------------------------------------------------------------------------
     def _arrive(self, st: RequestState) -> None:
-        if st.req.arrival != self.now:  # sent by a closed-loop client: arrival = send time
-            st.req = replace(st.req, arrival=self.now)
         if self.core.arrive(st, self.now) is None:
             self._ended(st, st.reject_reason or "rejected")
 

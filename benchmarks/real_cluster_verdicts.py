@@ -1,0 +1,144 @@
+"""The real-cluster report's verdicts, judged on what the searches located, not on a point.
+
+A goodput search on real servers tries few rates (each is minutes of serving), so it locates
+a goodput between the highest rate that met the target and the lowest above it that did not:
+a bracket, often a factor 2 wide. Reading its lower end as the goodput turns the bracket's
+width into a "simulator error" and orders policies the measurement cannot tell apart. So each
+verdict here is one of three: proven for every value in the brackets, disproven for every
+value, or undecided because the brackets are too wide.
+"""
+
+from __future__ import annotations
+
+import math
+
+TARGET = 0.9  # SLO attainment that counts as meeting the SLOs
+
+
+def bracket(row: dict, key: str = "real") -> tuple[float, float]:
+    """(lo, hi): the goodput is at least lo and below hi (hi = inf when no rate above lo
+    failed: the search ran out of rates). A row without a curve is a point (lo == hi)."""
+    g = float(row[f"{key}_goodput"])
+    curve = row.get(f"{key}_curve")
+    if curve is None:
+        return g, g
+    above = [r for r, a in curve if r > g and a < TARGET - 1e-9]
+    return g, (min(above) if above else math.inf)
+
+
+def sim_vs_real(sim: float, lo: float, hi: float, band: float = 0.2) -> str:
+    """'within' if the simulated goodput is within `band` of every real value in [lo, hi),
+    'off' if it is off by more than `band` from all of them, else 'undecided'."""
+    if lo <= 0 and sim <= 0:
+        return "undecided"  # neither met the SLOs at the lowest rate tried
+    if lo > 0 and sim / (1 + band) <= lo and hi <= sim / (1 - band):
+        return "within"
+    if hi <= sim / (1 + band) or (lo > 0 and lo >= sim / (1 - band)):
+        return "off"
+    return "undecided"
+
+
+def distance(sim: float, lo: float, hi: float) -> float:
+    """Relative distance of `sim` outside [lo, hi) (0 inside): a lower bound on its error."""
+    if sim < lo:
+        return (sim - lo) / lo
+    if math.isfinite(hi) and sim > hi:
+        return (sim - hi) / hi
+    return 0.0
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two rankings (pairs tied in either count as neither)."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            if a[i] != a[j] and b[i] != b[j]:
+                s += int(math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j]))
+    pairs = n * (n - 1) / 2
+    return s / pairs if pairs else math.nan
+
+
+def resolved_tau(real: list[tuple[float, float]], sim: list[float]) -> tuple[float, int, int]:
+    """Kendall's tau over the pairs the real brackets order (one bracket wholly below the
+    other), with (pairs ordered, all pairs): overlapping brackets rank nothing."""
+    n, s, ordered = len(real), 0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            (lo_i, hi_i), (lo_j, hi_j) = real[i], real[j]
+            if hi_i <= lo_j:
+                sign = -1
+            elif hi_j <= lo_i:
+                sign = 1
+            else:
+                continue
+            ordered += 1
+            if sim[i] != sim[j]:
+                s += sign * int(math.copysign(1, sim[i] - sim[j]))
+    pairs = n * (n - 1) // 2
+    return (s / ordered if ordered else math.nan), ordered, pairs
+
+
+def ratio_bounds(mine: tuple[float, float], others: list[tuple[float, float]]) -> tuple[float, float]:
+    """Bounds on my goodput over the best other's, from the brackets."""
+    best_lo = max(lo for lo, _ in others)
+    best_hi = max(hi for _, hi in others)
+    low = mine[0] / best_hi if best_hi > 0 else math.inf
+    high = mine[1] / best_lo if best_lo > 0 else math.inf
+    return low, high
+
+
+def _err(sim: float, real: float) -> float:
+    return (sim - real) / real if real and math.isfinite(real) and math.isfinite(sim) else math.nan
+
+
+def _pct(v: float) -> str:
+    return "n/a" if not math.isfinite(v) else f"{v:+.0%}"
+
+
+def _x(v: float) -> str:
+    return "∞" if not math.isfinite(v) else f"{v:.2f}×"
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """The issue's targets, judged from the rows' brackets (no data: 'not measured')."""
+    out = []
+    for ex in sorted({r["executor"] for r in rows}):
+        mine = [r for r in rows if r["executor"] == ex]
+        wins, taus, fid = [], [], {"within": 0, "off": 0, "undecided": 0}
+        for wl in sorted({r["workload"] for r in mine}):
+            cell = {r["policy"]: r for r in mine if r["workload"] == wl}
+            fy = cell.get("flowyard")
+            others = [bracket(r) for p, r in cell.items() if p != "flowyard"]
+            if fy is not None and others and max(hi for _, hi in others) > 0:
+                wins.append((wl, *ratio_bounds(bracket(fy), others)))
+            if len(cell) >= 3:
+                taus.append((wl, *resolved_tau([bracket(r) for r in cell.values()],
+                                               [r["sim_goodput"] for r in cell.values()])))
+            for r in cell.values():
+                fid[sim_vs_real(r["sim_goodput"], *bracket(r))] += 1
+        if wins:
+            met = any(lo >= 1.2 for _, lo, _ in wins)
+            missed = all(hi < 1.2 for _, _, hi in wins)
+            verdict = "met" if met else ("not met" if missed else "undecided (brackets too wide)")
+            out.append(f"- {ex}: flowyard / best other real goodput: "
+                       + ", ".join(f"{w} {_x(lo)}–{_x(hi)}" for w, lo, hi in wins)
+                       + f" — target ≥ 1.2× on one workload: {verdict}")
+        else:
+            out.append(f"- {ex}: flowyard / best other real goodput: not measured")
+        if taus:
+            ok = all(t >= 0.7 for _, t, n, _ in taus if n)
+            some = any(n for _, _, n, _ in taus)
+            out.append(f"- {ex}: Kendall τ (simulated ranking vs the pairs the real brackets order): "
+                       + ", ".join(f"{w} {t:.2f} over {n} of {m} pairs" if n else f"{w} no pair ordered"
+                                   for w, t, n, m in taus)
+                       + f" — target ≥ 0.7 per workload: {('met on the ordered pairs' if ok else 'not met') if some else 'undecided'}")
+        else:
+            out.append(f"- {ex}: Kendall τ: not measured")
+        out.append(f"- {ex}: simulated goodput within 20 % of every real value its bracket allows: "
+                   f"{fid['within']} of {len(mine)} cells; off by more than 20 %: {fid['off']}; "
+                   f"undecided (bracket too wide): {fid['undecided']}")
+        errs = [abs(_err(r["sim"][k], r["real"][k])) for r in mine for k in ("ttft_p50", "tpot_p50")]
+        errs90 = [abs(_err(r["sim"][k], r["real"][k])) for r in mine for k in ("ttft_p90", "tpot_p90")]
+        out.append(f"- {ex}: per-request P50 within 15 %: {sum(e <= 0.15 for e in errs)} of {len(errs)}; "
+                   f"P90 within 25 %: {sum(e <= 0.25 for e in errs90)} of {len(errs90)}")
+    return out
