@@ -110,6 +110,17 @@ class LocalScheduler(ABC):
     def add_request(self, state: RequestState, now: float) -> bool:
         """Queue a new request; False (state rejected, reason set) if it can never run here."""
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued here that have not started: what an engine reports (/metrics, the
+        server's queue bound)."""
+        raise NotImplementedError
+
+    @property
+    def num_running(self) -> int:
+        """Requests that have started here and not finished."""
+        raise NotImplementedError
+
     @abstractmethod
     def schedule(self, now: float) -> StepPlan | None:
         """The next step to run, or None when there is nothing runnable."""
