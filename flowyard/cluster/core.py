@@ -110,6 +110,8 @@ class ClusterCore:
         self.least_members: dict[str, list[int]] = {}
         self._decode_role = Role.DECODE in policy.roles
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
+        # a transport that answers "is i live" without listing its instances (no scan per arrival)
+        self._live = getattr(transport, "is_live", None)
 
     # -- ClusterView --------------------------------------------------------------------------
     def instances(self, role: Role | None = None) -> Sequence[int]:
@@ -202,7 +204,8 @@ class ClusterCore:
 
     # -- failures: a policy must never send work to a dead instance ----------------------------
     def _is_live(self, i: int) -> bool:
-        return i in self.transport.instance_ids()
+        live = self._live
+        return live(i) if live is not None else i in self.transport.instance_ids()
 
     def _live_substitute(self, st: RequestState, dead: int, now: float, *, arrival: bool = False,
                          src: int | None = None) -> int | None:

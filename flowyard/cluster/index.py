@@ -14,6 +14,12 @@ with time alone (free KV) must keep scanning.
 
 Executors that cannot say when an instance changes (a remote Ray actor) offer no index; a
 policy then falls back to the scan (`least`).
+
+A score may also say how to read itself straight off an instance's local scheduler: a callable
+attribute `direct` (scheduler -> the same value score(snapshot) would give). An executor that
+holds its schedulers in process (`Touched(..., scheduler=...)`) then re-scores a touched
+instance without building its whole snapshot, which is most of a routing decision's cost when
+many instances change between arrivals. Scores without it are read from snapshots.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ INDEX_MIN = 32
 class RankedInstances:
     """A set of instances ordered by (score(snapshot), id), re-scored lazily on touch."""
 
-    __slots__ = ("score", "snapshot", "_key", "_order", "_pending")
+    __slots__ = ("score", "snapshot", "read", "source", "_key", "_order", "_pending")
 
-    def __init__(self, score: Score, snapshot: Callable[[int], InstanceSnapshot], ids: Iterable[int] = ()) -> None:
+    def __init__(self, score: Score, snapshot: Callable[[int], InstanceSnapshot], ids: Iterable[int] = (),
+                 read: Callable[[int], Any] | None = None, source: "Touched | None" = None) -> None:
         self.score, self.snapshot = score, snapshot
+        self.source = source  # the executor's touches, pulled in before each answer
+        # instance -> its current score (from the snapshot unless the executor reads it directly)
+        self.read: Callable[[int], Any] = read if read is not None else lambda i: score(snapshot(i))
         self._key: dict[int, tuple] = {}  # member -> its current key in _order (absent: unscored)
         self._order: SortedList = SortedList()
         self._pending: set[int] = set()
@@ -54,6 +64,13 @@ class RankedInstances:
         """Instance i changed: re-score it before the next answer (if it is a member)."""
         if i in self._key:
             self._pending.add(i)
+
+    def touch_all(self, ids: Iterable[int]) -> None:
+        """Every instance of ids changed (members only are re-scored)."""
+        keys, pending = self._key, self._pending
+        for i in ids:
+            if i in keys:
+                pending.add(i)
 
     def add(self, i: int) -> None:
         if i not in self._key:
@@ -77,15 +94,17 @@ class RankedInstances:
             self.add(i)
 
     def _refresh(self) -> None:
+        if self.source is not None:
+            self.source.pull()
         pending = self._pending
         if not pending:
             return
-        order, keys, score, snapshot = self._order, self._key, self.score, self.snapshot
+        order, keys, read = self._order, self._key, self.read
         for i in sorted(pending):  # in id order: snapshots commit decode runs as a scan would
             old = keys[i]
             if old:
                 order.remove(old)
-            key = (score(snapshot(i)), i)
+            key = (read(i), i)
             keys[i] = key
             order.add(key)
         pending.clear()
@@ -113,34 +132,54 @@ class RankedInstances:
         below the next kept one; no member after that can beat it. Same answer as a scan."""
         self._refresh()
         best = None
-        score, snapshot = self.score, self.snapshot
+        read = self.read
         for key in self._order:
             if best is not None and best < key:
                 break
-            now = (score(snapshot(key[1])), key[1])
+            now = (read(key[1]), key[1])
             if best is None or now < best:
                 best = now
         return best
 
 
 class Touched:
-    """The indexes of one executor, told of every instance change (the executor's side)."""
+    """The indexes of one executor, told of every instance change (the executor's side).
 
-    def __init__(self, snapshot: Callable[[int], InstanceSnapshot]) -> None:
+    A touch only notes the instance (an executor touches on every scheduler change, several
+    times per event); the indexes take the noted ones in when one of them is next asked."""
+
+    def __init__(self, snapshot: Callable[[int], InstanceSnapshot],
+                 scheduler: Callable[[int], Any] | None = None) -> None:
         self.snapshot = snapshot
+        # instance -> its local scheduler, brought up to date as snapshot() would (for `direct` scores)
+        self.scheduler = scheduler
         self.indexes: dict[str, RankedInstances] = {}
+        self.recent: set[int] = set()  # touched since the indexes last pulled
 
     def ranked(self, name: str, score: Score, ids: Callable[[], Iterable[int]] = tuple) -> RankedInstances:
         """The index called `name` (created with members `ids()` on first use; a policy keeps
         the membership of a dynamic one with add/discard/set_members)."""
         idx = self.indexes.get(name)
         if idx is None:
-            idx = self.indexes[name] = RankedInstances(score, self.snapshot, ids())
+            direct, scheduler = getattr(score, "direct", None), self.scheduler
+            read = None
+            if direct is not None and scheduler is not None:
+                def read(i: int) -> Any:
+                    return direct(scheduler(i))
+            self.pull()  # what was touched before this index existed is no news to it
+            idx = self.indexes[name] = RankedInstances(score, self.snapshot, ids(), read, self)
         return idx
 
     def touch(self, i: int) -> None:
-        for idx in self.indexes.values():
-            idx.touch(i)
+        self.recent.add(i)
+
+    def pull(self) -> None:
+        """Hand the instances touched since the last pull to every index."""
+        recent = self.recent
+        if recent:
+            for idx in self.indexes.values():
+                idx.touch_all(recent)
+            recent.clear()
 
 
 def least(view, name: str, score: Score, ids: Callable[[], Iterable[int]]) -> int | None:

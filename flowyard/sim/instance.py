@@ -16,7 +16,7 @@ class SimInstance:
 
     __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
                  "suspend_at", "timer_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started",
-                 "snap")
+                 "snap", "sync_after")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -35,6 +35,14 @@ class SimInstance:
         self.kv_since, self.kv_used = 0.0, 0  # KV blocks held since then (for work.kv_block_s)
         self.started = 0.0  # when the run in flight (or its uncommitted rest) started, for timelines
         self.snap = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
+        # the first step end of a multi-step run in flight (inf: none): a snapshot taken later
+        # must commit the steps done by then (a float, so the check costs no numpy scalar)
+        self.sync_after = float("inf")
+
+    def set_ends(self, ends: np.ndarray) -> None:
+        """The step end times of the run in flight (what is left of it)."""
+        self.ends = ends
+        self.sync_after = float(ends[0]) if len(ends) > 1 else float("inf")
 
     def settle(self, now: float) -> None:
         """Integrate the KV held since the last change of step (a launch or a completion)."""

@@ -37,7 +37,7 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role
 from flowyard.policies.framework.policy import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
 from flowyard.sim.cluster import Topology
@@ -46,6 +46,7 @@ from flowyard.sim.kv_push import KVPush
 
 ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
 SCHEDULE, TIMER = int(EventKind.SCHEDULE), int(EventKind.TIMER)
+INF = float("inf")
 
 
 class SimulationError(RuntimeError):
@@ -89,7 +90,8 @@ class Simulator:
         # score-ordered instance indexes for global policies (`flowyard.cluster.index`): every
         # change of an instance's scheduler touches them. Stale snapshots change without a
         # touch (when they expire), so policies scan instead.
-        self._touched = Touched(self.snapshot)
+        self._touched = Touched(self.snapshot, self.scheduler)
+        self._recent = self._touched.recent
         if snapshot_staleness > 0:
             self.ranked = None  # type: ignore[assignment]
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
@@ -105,7 +107,7 @@ class Simulator:
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
         # Chunk-by-chunk KV push of micro-requests' first segments (None: the policy decides)
-        chunked = getattr(policy.global_scheduler, "chunked_kv", True) if chunked_kv is None else chunked_kv
+        chunked = policy.global_scheduler.capabilities.chunked_kv if chunked_kv is None else chunked_kv
         self.kv_push = KVPush(topology, cost_model.kv_bytes_per_token(), chunked)
         self._heap: list[tuple[float, int, int, object]] = []  # (time, kind, seq, payload)
         self._seq = itertools.count()
@@ -126,6 +128,10 @@ class Simulator:
 
     instances_of = instance_ids
 
+    def is_live(self, instance: int) -> bool:
+        """Simulated instances never fail: every id of the cluster is live."""
+        return 0 <= instance < len(self.instances)
+
     def ranked(self, name: str, score: Score, ids=tuple) -> RankedInstances:  # type: ignore[no-redef]
         return self._touched.ranked(name, score, ids)
 
@@ -135,7 +141,8 @@ class Simulator:
             if cached is not None and self.now - cached[0] < self.snapshot_staleness:
                 return cached[1]
         inst = self.instances[instance]
-        self._sync(inst)
+        if inst.sync_after < self.now:
+            self._sync(inst)
         snap = inst.snap  # the same snapshot while the scheduler has not changed
         if snap is None:
             snap = inst.snap = inst.sched.snapshot()
@@ -143,10 +150,18 @@ class Simulator:
             self._snap_cache[instance] = (self.now, snap)
         return snap
 
+    def scheduler(self, instance: int) -> LocalScheduler:
+        """Instance's local scheduler, its decode run committed up to now as `snapshot` does
+        (an index reads `direct` scores off it without building a snapshot)."""
+        inst = self.instances[instance]
+        if inst.sync_after < self.now:
+            self._sync(inst)
+        return inst.sched
+
     def _changed(self, inst: SimInstance) -> None:
         """inst's scheduler state changed: its snapshot and its index keys are out of date."""
         inst.snap = None
-        self._touched.touch(inst.id)
+        self._recent.add(inst.id)  # Touched.touch, without the call
 
     def _sync(self, inst: SimInstance) -> None:
         """Commit the steps of a decode run that ended before now, so the instance's state is
@@ -163,7 +178,7 @@ class Simulator:
                 inst.started = float(ends[done - 1])
             inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
             self._changed(inst)
-            inst.ends = ends[done:]
+            inst.set_ends(ends[done:])
             inst.account(done)
             self.steps += done
 
@@ -279,7 +294,7 @@ class Simulator:
             return
         t = float(bounds[k - 1])
         inst.busy_s -= float(inst.ends[-1]) - t
-        inst.ends = np.array([t])
+        inst.set_ends(np.array([t]))
         self._device_free = t
         inst.suspend_at = k
         inst.version += 1
@@ -292,6 +307,7 @@ class Simulator:
         assert plan is not None
         ends = inst.ends[:steps]
         inst.plan = None
+        inst.sync_after = INF  # no run left to commit
         inst.bounds = None
         self._changed(inst)
         if self.timeline is not None:
@@ -355,7 +371,7 @@ class Simulator:
             cut = int(np.searchsorted(ends, self.now, side="left")) + 1
             if cut < len(ends):
                 inst.busy_s -= float(ends[-1] - ends[cut - 1])
-                inst.ends = ends[:cut]
+                inst.set_ends(ends[:cut])
                 self._device_free = float(ends[cut - 1])
                 inst.version += 1
                 inst.sched.shorten(inst.plan, cut)
@@ -424,7 +440,8 @@ class Simulator:
             ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
         else:
             ends = np.array([self.now + float(self.cost.step_time(shape))])
-        inst.plan, inst.ends = plan, ends
+        inst.plan = plan
+        inst.set_ends(ends)
         inst.started = self.now
         inst.launch(shape, self.now)
         inst.version += 1
