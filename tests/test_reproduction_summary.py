@@ -25,9 +25,9 @@ REPORT = """# Arrow
 """
 
 
-def test_counts_the_headline_table_only_and_skips_unjudged_rows():
+def test_counts_every_claims_table_and_skips_unjudged_rows():
     counts = headline_verdicts(REPORT, "ours vs paper")
-    assert counts == {"reproduced": 1, "not reproduced": 1, "undecided": 1}
+    assert counts == {"reproduced": 2, "not reproduced": 1, "undecided": 1}
 
 
 def test_a_report_without_the_column_is_an_error():
@@ -43,7 +43,7 @@ def test_the_block_names_each_reports_revision_and_command(tmp_path):
     s = read("arrow", tmp_path)
     assert s.revision == "abcdef1" and not s.dirty and s.wall_s == 600.0
     block = table([s])
-    assert "1 not reproduced, 1 reproduced, 1 undecided" in block
+    assert "1 not reproduced, 2 reproduced, 1 undecided" in block
     assert "abcdef1" in block and "10 min" in block and "all at one revision" in block
 
 

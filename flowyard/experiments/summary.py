@@ -52,22 +52,26 @@ def classify(cell: str) -> str | None:
 
 
 def headline_verdicts(markdown: str, column: str) -> Counter:
-    """Counts of the verdicts in the first table whose header has `column`."""
+    """Counts of the verdicts in every claims table (a table whose header has `column`): the
+    headline's, and one a figure adds with claims of its own (FlowPrefill's MoE model)."""
     lines = markdown.splitlines()
+    out: Counter = Counter()
+    found = False
     for i, line in enumerate(lines):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and column in cells:
-            col = cells.index(column)
-            out: Counter = Counter()
-            for row in lines[i + 2:]:
-                if not row.startswith("|"):
-                    break
-                parts = [c.strip() for c in row.strip().strip("|").split("|")]
-                kind = classify(parts[col]) if col < len(parts) else None
-                if kind:
-                    out[kind] += 1
-            return out
-    raise ValueError(f"no table with a {column!r} column")
+        if not (line.startswith("|") and column in cells):
+            continue
+        found, col = True, cells.index(column)
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            parts = [c.strip() for c in row.strip().strip("|").split("|")]
+            kind = classify(parts[col]) if col < len(parts) else None
+            if kind:
+                out[kind] += 1
+    if not found:
+        raise ValueError(f"no table with a {column!r} column")
+    return out
 
 
 def read(name: str, results: Path = RESULTS) -> ReportSummary:
@@ -88,7 +92,7 @@ def read(name: str, results: Path = RESULTS) -> ReportSummary:
 
 def table(summaries: list[ReportSummary]) -> str:
     """The markdown block the README shows."""
-    lines = ["| report | verdicts (headline table) | revision | command | wall time |",
+    lines = ["| report | verdicts (claims tables) | revision | command | wall time |",
              "|---|---|---|---|---|"]
     for s in summaries:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(s.verdicts.items(), key=lambda kv: KINDS.index(kv[0])
