@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from flowyard.experiments.summary import BEGIN, END, headline_verdicts, read, splice, table
+from flowyard.experiments.headlines import fill, values
+from flowyard.experiments.summary import BEGIN, END, REPORTS, RESULTS, ROOT, headline_verdicts, read, splice, table
 
 REPORT = """# Arrow
 
@@ -52,3 +53,45 @@ def test_splice_replaces_only_the_marked_block():
     assert splice(readme, "new") == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
     with pytest.raises(ValueError, match="block"):
         splice("no markers", "new")
+
+
+FIDELITY = """For each of the 7 source families (a, b) the fitted terms are refitted.
+
+| | points | median abs. error | max abs. error | within 10 % | within 25 % |
+|---|---|---|---|---|---|
+| **cross-validated** | 42 | **11.4%** | **78.7%** | 18 | 35 |
+| in-sample | 81 | 6.9% | 79.1% | 47 | 72 |
+
+Targets (issue 27): cross-validated median ≤ 10 % — missed; no point above 25 % — missed (7 points above).
+"""
+REAL = """- local: flowyard / best other real goodput: conv-mixed 0.00×–1.94× — target ≥ 1.2× on one workload: undecided
+
+| executor | workload | policy | real (bracket) | simulated | sim outside |
+|---|---|---|---|---|---|
+| local | conv-mixed | `vllm` | 0.452 – 1.129 | 0.903 | +0% |
+| local | conv-mixed | `distserve` | 0.790 – ∞ | 0.632 | -20% |
+"""
+
+
+def test_readme_numbers_are_read_from_the_reports(tmp_path):
+    (tmp_path / "fidelity_published.md").write_text(FIDELITY)
+    (tmp_path / "real_cluster.md").write_text(REAL)
+    vals = values(tmp_path)
+    assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"
+    assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"
+    assert vals["fid-targets"].endswith("missed (7 points above)")
+    assert vals["rc-ratio"] == "0.00×–1.94×" and vals["rc-inside"] == "1 of 2"
+    text = "median <!-- gen:fid-cv-median -->9 %<!-- /gen:fid-cv-median --> here"
+    assert fill(text, vals) == "median <!-- gen:fid-cv-median -->11.4 %<!-- /gen:fid-cv-median --> here"
+    with pytest.raises(ValueError, match="nope"):
+        fill("<!-- gen:nope -->1<!-- /gen:nope -->", vals)
+    (tmp_path / "real_cluster.md").write_text("# empty\n")
+    with pytest.raises(ValueError, match="real-cluster"):
+        values(tmp_path)
+
+
+def test_the_committed_readme_agrees_with_the_committed_reports():
+    readme = (ROOT / "README.md").read_text()
+    assert fill(readme, values(RESULTS)) == readme, "run: python -m flowyard.experiments.summary --readme"
+    block = table([read(n) for n in REPORTS])
+    assert f"{BEGIN}\n{block}\n{END}" in readme, "run: python -m flowyard.experiments.summary --readme"

@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowyard.experiments.headlines import fill, values
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 BEGIN, END = "<!-- reproductions:begin -->", "<!-- reproductions:end -->"
@@ -124,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         block = table([read(n) for n in REPORTS])
         if args.readme:
             path = ROOT / "README.md"
-            path.write_text(splice(path.read_text(), block))
+            path.write_text(fill(splice(path.read_text(), block), values(RESULTS)))
     except (OSError, ValueError) as e:
         print(f"error: {e}")
         return 2
     if args.readme:
-        print("wrote the reproductions block of README.md")
+        print("wrote the reproductions block and the generated numbers of README.md")
     else:
         print(block)
     return 0

@@ -1,0 +1,62 @@
+"""The README's inline numbers, read back from the generated reports they summarise.
+
+A sentence such as "cross-validated median 11.4 %" is only true of the report it was copied
+from, and copies rot when the report is regenerated. So each such number in README.md sits
+between inline markers, `<!-- gen:NAME -->value<!-- /gen:NAME -->`, and this module computes
+every NAME's value from the committed report; `python -m flowyard.experiments.summary --readme`
+rewrites them and a test fails when the README and the reports disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+MARK = re.compile(r"<!-- gen:([a-z0-9-]+) -->(.*?)<!-- /gen:\1 -->", re.S)
+
+
+def _fidelity(md: str) -> dict[str, str]:
+    """The cross-validated headline of docs/results/fidelity_published.md."""
+    row = re.search(r"^\| \*\*cross-validated\*\* \| (\d+) \| \*\*([\d.]+)%\*\* \| \*\*([\d.]+)%\*\* \|", md, re.M)
+    insample = re.search(r"^\| in-sample \| (\d+) \|", md, re.M)
+    families = re.search(r"For each of the (\d+) source families", md)
+    targets = re.search(r"^Targets \(issue 27\): (.*?)\.?$", md, re.M)
+    if not (row and insample and families and targets):
+        raise ValueError("fidelity report: no cross-validated headline table")
+    return {"fid-cv-median": f"{row.group(2)} %", "fid-cv-max": f"{row.group(3)} %",
+            "fid-points": insample.group(1), "fid-sources": families.group(1), "fid-targets": targets.group(1)}
+
+
+def _real_cluster(md: str) -> dict[str, str]:
+    """The flowyard-over-best bracket and the simulator's placement in docs/results/real_cluster.md."""
+    ratios = re.findall(r"flowyard / best other real goodput: (.*?) — target", md)
+    if not ratios:
+        raise ValueError("real-cluster report: no 'flowyard / best other' verdict")
+    spans = [s.strip() for r in ratios for s in re.findall(r"[a-z-]+ ([\d.]+×–[\d.∞]+×?)", r)]
+    cells = [line.split("|") for line in md.splitlines()
+             if re.match(r"^\| (local|ray) \| [a-z-]+ \| `[a-z0-9-]+` \| [\d.]+ – [\d.∞]+ \|", line)]
+    if not cells or not spans:
+        raise ValueError("real-cluster report: no goodput table")
+    inside = sum(1 for c in cells if c[-2].strip() == "+0%")
+    return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}"}
+
+
+SOURCES: dict[str, Callable[[str], dict[str, str]]] = {
+    "fidelity_published.md": _fidelity, "real_cluster.md": _real_cluster}
+
+
+def values(results: Path) -> dict[str, str]:
+    """Every generated README number, from the reports under `results`."""
+    out: dict[str, str] = {}
+    for name, parse in SOURCES.items():
+        out.update(parse((results / name).read_text()))
+    return out
+
+
+def fill(readme: str, vals: dict[str, str]) -> str:
+    """`readme` with each marked number replaced; a marker with no value is an error."""
+    missing = sorted({m.group(1) for m in MARK.finditer(readme)} - vals.keys())
+    if missing:
+        raise ValueError(f"README marks numbers no report gives: {', '.join(missing)}")
+    return MARK.sub(lambda m: f"<!-- gen:{m.group(1)} -->{vals[m.group(1)]}<!-- /gen:{m.group(1)} -->", readme)
