@@ -59,6 +59,21 @@ def search(measure, guess: float, evals: int, policy: str):
                           max_evals=evals, policy=policy)
 
 
+def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
+    """The simulator's goodput of every policy on every workload, with flowyard over the best
+    other: where the real searches are worth their hours."""
+    lines = [f"| executor | workload | {' | '.join(policies)} | flowyard / best other |",
+             "|---|---|" + "---|" * (len(policies) + 1)]
+    for name, w in ws.items():
+        g = {p: search(lambda r: sim_point(w, r, p, cost, executor == "local")["attainment"], w.guess, 8, p).goodput
+             for p in policies}
+        others = [v for p, v in g.items() if p != "flowyard"]
+        best = max(others, default=0.0)
+        ratio = f"{g['flowyard'] / best:.2f}×" if "flowyard" in g and best > 0 else "—"
+        lines.append(f"| {executor} | {name} | " + " | ".join(f"{g[p]:.3f}" for p in policies) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 policies, 1 workload, few requests, one executor")
@@ -71,6 +86,11 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")
     ap.add_argument("--model", default=None, help="served model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--slo-factor", type=float, default=4.0,
+                    help="SLOs as this many times the engine's own step (TPOT) and prefill (TTFT) (default 4)")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="measure nothing real: print the simulator's goodput per workload and policy, and "
+                         "flowyard over the best other (to choose workloads where scheduling matters)")
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
@@ -89,6 +109,8 @@ def main() -> None:
     bad = [p for p in workloads if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
     if bad:
         sys.exit(f"real_cluster: unknown workload or executor {bad}; workloads: {', '.join(WORKLOADS)}")
+    if args.slo_factor <= 0:
+        sys.exit("real_cluster: --slo-factor must be positive")
     if args.evals < 2 or (args.requests is not None and args.requests < 2):
         sys.exit("real_cluster: --evals and --requests must be at least 2 (a search brackets the goodput)")
     import tempfile
@@ -106,8 +128,11 @@ def main() -> None:
             print(f"profiling the engine for {executor} ...", file=sys.stderr, flush=True)
             profile_engine(prof_path, 1 if executor == "ray" else None)
         cost = ProfiledCostModel(str(prof_path))
-        slos = engine_slos(cost)
+        slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
+        if args.sim_only:
+            print(sim_table(ws, policies, cost, executor))
+            continue
         for policy in policies:
             if all((executor, policy, name) in have for name in ws):
                 continue
@@ -129,7 +154,9 @@ def main() -> None:
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
                           f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
-    meta = {"wall_s": time.time() - started, "machine": platform.processor() or platform.machine(),
+    if args.sim_only:
+        return
+    meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": platform.processor() or platform.machine(),
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
             "requests_per_point": cfg.requests}
     (work / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -31,7 +31,7 @@ POLICIES = ("vllm", "distserve", "flowprefill", "pla", "arrow", "dynaserve", "fl
 # name -> (trace whose arrivals and lengths it replays, prompt cap, output cap): long prompts
 # (a 1.5 k-token prefill takes many decode steps' time on this CPU) beside short ones
 WORKLOADS = {"code-long": ("azure-code", 1536, 48), "conv-mixed": ("azure-conv", 1024, 64),
-             "burst": ("burstgpt", 1536, 64)}
+             "burst": ("burstgpt", 1536, 64), "conv-short": ("azure-conv", 512, 64)}
 INSTANCES, MAX_NUM_SEQS = 2, 64  # as `flowyard serve --instances 2` (its default --max-num-seqs)
 
 

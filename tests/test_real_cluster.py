@@ -116,3 +116,17 @@ def test_a_real_point_against_flowyard_serve(tiny):
     assert p["completed"] == again["completed"] == 3 and 0 <= p["attainment"] <= 1
     hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits")]
     assert hits and sum(hits) == 0  # ... found nothing cached: every point pays its prefills
+
+
+def test_the_simulated_table_names_flowyard_over_the_best_other(tiny):
+    from real_cluster import sim_table
+
+    _, _, cost = tiny
+    loose, tight = rc.engine_slos(cost, 8.0), rc.engine_slos(cost, 4.0)
+    assert loose.tpot >= tight.tpot
+    ws = {"conv-short": rc.make_workload("conv-short", 6, loose, cost)}
+    assert max(r.prompt_len for r in ws["conv-short"].workload.requests) <= 512
+    table = sim_table(ws, ["vllm", "flowyard"], cost, "local").splitlines()
+    assert table[0].startswith("| executor | workload | vllm | flowyard |") and len(table) == 3
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[:2] == ["local", "conv-short"] and (cells[-1] == "—" or cells[-1].endswith("×"))
