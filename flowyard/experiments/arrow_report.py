@@ -68,9 +68,12 @@ def _headline(res: Results, rep: Report) -> None:
     if res.scale:
         n = sorted(res.scale)
         g = [res.scale[k][SLO_AWARE].goodput.value for k in n]
-        rows.append([f"scalability: Arrow's goodput at {'/'.join(map(str, n))} GPUs", "nearly linear (Fig. 9)",
+        linear = n[-1] / n[0]  # "nearly linear": the paper's gain is the GPUs' ratio
+        rows.append([f"scalability: Arrow's goodput at {'/'.join(map(str, n))} GPUs",
+                     f"nearly linear (Fig. 9): ~{linear:g}× for {linear:g}× the GPUs",
                      " / ".join(f"{x:.1f}" for x in g) + f" req/s ({fmt_x(ratio(g[-1], g[0]))} for "
-                     f"{n[-1] / n[0]:g}× the GPUs)", ""])
+                     f"{linear:g}× the GPUs)",
+                     _verdict(goodput_ratio(res.scale[n[-1]][SLO_AWARE], res.scale[n[0]][SLO_AWARE]), linear)])
     rep.add("## Headline: the paper's numbers beside ours",
             "Goodput = the highest request rate with SLO attainment ≥ 90 %. The paper's ratios are "
             "Arrow's sustainable rate over vLLM (colocated, TP8) and over vLLM-disaggregated (1P1D, TP4); "
