@@ -57,6 +57,40 @@ def test_cache_key_includes_revision(tmp_path) -> None:
     assert a.get(("x", 1)) == 0.5 and b.get(("x", 1)) is None and ("x", 1) in a
 
 
+def test_source_key_follows_the_package_not_the_commit(tmp_path) -> None:
+    """A commit outside flowyard/ keeps the cache's key (a sweep resumes across it); a change
+    inside it, committed, uncommitted or a new untracked module, gives a new key."""
+    import subprocess
+
+    from flowyard.sweep.cache import source_key
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    assert source_key(tmp_path) == ""  # not a checkout
+    (tmp_path / "flowyard").mkdir()
+    (tmp_path / "flowyard" / "a.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("r\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = source_key(tmp_path)
+    assert first.startswith("tree ") and "+" not in first
+    (tmp_path / "README.md").write_text("r2\n")
+    git("commit", "-qam", "docs only")
+    assert source_key(tmp_path) == first
+    (tmp_path / "flowyard" / "a.py").write_text("x = 2\n")
+    dirty = source_key(tmp_path)
+    assert dirty.startswith(first + "+")
+    (tmp_path / "flowyard" / "a.py").write_text("x = 1\n")
+    (tmp_path / "flowyard" / "new.py").write_text("y = 1\n")
+    assert source_key(tmp_path) not in (first, dirty)
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    assert source_key(tmp_path).startswith("tree ") and source_key(tmp_path) != first
+
+
 def test_rounds_ask_everything_then_repeat() -> None:
     """A parallel sweep's pass goes on past a pending result where the body allows it; the
     last pass sees only known values (a stub backend computes the asked-for results)."""

@@ -2,9 +2,10 @@
 killed resumes where it stopped and a finished one reruns instantly.
 
 One file per simulation under the cache directory, named by the SHA-256 of (revision, key).
-The revision is the flowyard checkout's commit plus a hash of its uncommitted changes to
-`flowyard/` (or the package version outside a git checkout): a code change never returns a
-result computed by other code. Files are written to a temporary name and renamed, so a kill
+The revision is the git tree of the checkout's `flowyard/` sources plus a hash of their
+uncommitted changes (or the package version outside a git checkout): a code change never
+returns a result computed by other code, and a commit outside the package (tests, docs,
+reports) does not throw the finished results away. Files are written to a temporary name and renamed, so a kill
 mid-write leaves no half file behind.
 """
 
@@ -22,25 +23,39 @@ from typing import Any
 DEFAULT_DIR = Path(os.environ.get("FLOWYARD_CACHE", Path.home() / ".cache" / "flowyard" / "sweeps"))
 
 
+def source_key(root: Path) -> str:
+    """What the results of a checkout at `root` depend on: the git tree of its `flowyard/`
+    sources, plus a hash of their uncommitted changes and untracked files. A commit that touches
+    only tests, docs or benchmarks keeps the key, so a sweep resumes across it; any change to
+    the package gives a new key. "" when `root` is not a git checkout."""
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=30).stdout
+
+    try:
+        tree = git("rev-parse", "HEAD:flowyard").decode().strip()
+        if not tree:
+            return ""
+        extra = hashlib.sha256(git("diff", "HEAD", "--", "flowyard"))
+        for name in sorted(git("ls-files", "--others", "--exclude-standard", "--", "flowyard").decode().split()):
+            extra.update(name.encode() + b"\0" + (root / name).read_bytes())
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    clean = extra.digest() == hashlib.sha256(b"").digest()
+    return f"tree {tree}" + ("" if clean else "+" + extra.hexdigest()[:16])
+
+
 @lru_cache(maxsize=1)
 def code_revision() -> str:
-    """The commit of the flowyard sources and a hash of their uncommitted changes."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", "flowyard"], capture_output=True,
-                              timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        rev, diff = "", b""
-    if not rev:
-        from importlib.metadata import PackageNotFoundError, version
+    """The key of this flowyard's sources (`source_key`), or its package version outside git."""
+    key = source_key(Path(__file__).resolve().parents[2])
+    if key:
+        return key
+    from importlib.metadata import PackageNotFoundError, version
 
-        try:
-            return "flowyard " + version("flowyard")
-        except PackageNotFoundError:
-            return "unknown"
-    return rev + ("+" + hashlib.sha256(diff).hexdigest()[:16] if diff else "")
+    try:
+        return "flowyard " + version("flowyard")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class ResultCache:
