@@ -286,8 +286,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
                 os.environ.pop(ENV_VAR, None)
             else:
                 os.environ[ENV_VAR] = saved
+    if name == "all":  # the final run: every report on one revision, one after another
+        for each in EXPERIMENTS:
+            if cmd_reproduce(argparse.Namespace(**{**vars(args), "name": each})) != 0:
+                return 1
+        return 0
     if name not in EXPERIMENTS:
-        raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}")
+        raise UsageError(f"unknown experiment {args.name!r}; valid experiments: {', '.join(EXPERIMENTS)}, all")
     command = " ".join(["flowyard reproduce", shlex.quote(name)]
                        + ([f"--out {shlex.quote(args.out)}"] if args.out != DEFAULT_OUT else [])
                        + (["--quick"] if args.quick else []) + ([f"--seed {args.seed}"] if args.seed else [])
@@ -354,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS
 
     r = sub.add_parser("reproduce", help="rerun one paper's experiments in the simulator (report + figures)")
-    r.add_argument("name", metavar="NAME", help=f"experiment: {', '.join(EXPERIMENTS)}")
+    r.add_argument("name", metavar="NAME", help=f"experiment: {', '.join(EXPERIMENTS)}, or all (each in turn)")
     r.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"output directory: DIR/NAME.md and DIR/NAME/*.png (default {DEFAULT_OUT})")
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")

@@ -86,6 +86,23 @@ def test_unknown_experiment_exits_2_listing_valid_ones(capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_reproduce_all_runs_every_experiment_in_turn_with_the_same_flags(monkeypatch, tmp_path, capsys):
+    import flowyard.experiments as experiments
+
+    calls = []
+
+    def fake(name, out, **kw):
+        calls.append((name, out, kw["quick"], kw["seed"], kw["command"]))
+        return tmp_path / f"{name}.md"
+
+    monkeypatch.setattr(experiments, "run_experiment", fake)
+    assert main(["reproduce", "all", "--quick", "--seed", "2", "--out", str(tmp_path), "--quiet"]) == 0
+    assert [c[0] for c in calls] == list(experiments.EXPERIMENTS)
+    assert all(c[1] == str(tmp_path) and c[2] and c[3] == 2 for c in calls)
+    assert calls[1][4].startswith("flowyard reproduce pla-serve --out ")  # each report records its own command
+    assert "valid experiments" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["reproduce", "flowprefill", "--seed", "x"], "expected an integer, got 'x'"),
     (["reproduce", "flowprefill", "--seed", "-1"], "expected an integer >= 0"),
