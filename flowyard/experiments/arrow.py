@@ -73,12 +73,12 @@ class Settings:
 
 FULL = Settings(
     workloads=(
-        WorkloadSpec("azure-code", "Azure Code", 0, 1200, (4, 8, 16, 32, 64),
-                     "the first 20 min (3,628 requests): four of the trace's bursts (up to 632 requests in a "
-                     "minute after idle minutes), a third of the hour's requests"),
-        WorkloadSpec("azure-conv", "Azure Conversation", 0, 600, (15, 30, 60, 120, 240),
-                     "the first 10 min (2,867 requests): the trace is steady, so a window keeps its shape; "
-                     "outputs average 260 tokens, so each run is decode-heavy and slower to simulate"),
+        WorkloadSpec("azure-code", "Azure Code", 0, None, (4, 8, 16, 32, 64),
+                     "the whole hour, as the paper replays it (§7.1: a 1-hour trace): bursts of hundreds of "
+                     "requests a minute after idle minutes"),
+        WorkloadSpec("azure-conv", "Azure Conversation", 0, None, (15, 30, 60, 120, 240),
+                     "the whole hour, as the paper replays it (§7.1): steady arrivals with long outputs, so "
+                     "each run is decode-heavy and the slowest of the four to simulate"),
         WorkloadSpec("burstgpt", "BurstGPT", 0, None, (10, 25, 50, 100, 200, 400),
                      "all of it: only the first 400 rows of BurstGPT are public here (399 kept; one failed "
                      "row dropped), 11.5 h of overnight traffic at 0.0096 req/s, in place of the paper's "
