@@ -29,6 +29,7 @@ from flowyard.core.request import RequestState
 from flowyard.costmodel.base import LAYER_OPS, CostModel
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.local_core import LocalCore
+from flowyard.policies.framework.parts import CoreView, admit_whole
 from flowyard.policies.framework.selector import PrefillSelector
 from flowyard.policies.framework.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
 
@@ -103,7 +104,7 @@ class FlowPrefillSelector(PrefillSelector):
         self.stats = FlowPrefillStats()
         self._seq = itertools.count()
 
-    def bind(self, core: LocalCore) -> None:
+    def bind(self, core: CoreView) -> None:
         if core.role is not Role.PREFILL:
             raise ValueError("FlowPrefill schedules prefill instances (PD disaggregation): its "
                              "operator-level preemption suspends prefill-only steps")
@@ -214,7 +215,7 @@ class FlowPrefillSelector(PrefillSelector):
         return n if self.config.chunk_size is None else min(n, self.config.chunk_size)
 
     def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        if not self.admit_whole(st, n, plan):
+        if not admit_whole(self.kv, st, n, plan):
             return False
         del self.waiting[st.id]
         return True
