@@ -104,7 +104,7 @@ class ProfileTable:
         self.global_ratio = 1.0
         self._global_used = 1.0
         self.samples = 0
-        self._budget: dict[tuple[int, int], int] = {}
+        self._budget: dict[tuple[int, int, int], int] = {}
         self._grid = [g for g in PREFILL_GRID[1:] if g <= cfg.max_prefill]  # budgets tried, in order
         self._grid_buckets = [_bucket(g) for g in self._grid]
         self._model_times, self._grid_cache = _memos(cost, tuple(self._grid))
@@ -117,8 +117,9 @@ class ProfileTable:
             if len(self._grid_cache) > 1 << 14:
                 self._grid_cache.clear()
             g = np.array(self._grid, dtype=float)  # one vectorised call for the whole grid
-            shape = BatchShape(prefill_tokens=g, prefill_seqs=1, prefill_attn=g * (history + (g + 1) / 2),
-                               prefill_kv=history + g, decode_seqs=n, decode_ctx=ctx * n)
+            attn, kv = g * (history + (g + 1) / 2), history + g  # arrays: BatchShape evaluates element-wise
+            shape = BatchShape(prefill_tokens=g, prefill_seqs=1, prefill_attn=attn,  # type: ignore[arg-type]
+                               prefill_kv=kv, decode_seqs=n, decode_ctx=ctx * n)  # type: ignore[arg-type]
             times = self._grid_cache[key] = np.broadcast_to(self.cost.step_time(shape), g.shape).tolist()
         return times
 
