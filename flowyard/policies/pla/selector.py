@@ -153,7 +153,7 @@ class PLASelector(PrefillSelector):
         slacks = [deadline(s.req) - now - est for s in self.short.values() if s.req.slo.ttft is not None]
         return min(slacks) if slacks else None
 
-    def _short_estimate(self) -> float:
+    def short_estimate(self) -> float:
         """S_hat: predicted time of a short batch of the current target depth."""
         if not self.short:
             return 0.0
@@ -179,7 +179,7 @@ class PLASelector(PrefillSelector):
 
     def _choose(self, now: float) -> StepPlan | None:
         if self.short:
-            est = self._short_estimate()
+            est = self.short_estimate()
             slack = self._min_slack(now, est)
             hol = next(iter(self.short.values())).req.arrival
             if self.config.deadline_free:
@@ -203,7 +203,7 @@ class PLASelector(PrefillSelector):
     def wake_at(self, now: float) -> float | None:
         if not self.short:
             return None
-        est = self._short_estimate()
+        est = self.short_estimate()
         hol = next(iter(self.short.values())).req.arrival
         return self.awd.wake(now, len(self.short), self._min_slack(now, est), hol)
 
