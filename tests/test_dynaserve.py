@@ -208,7 +208,7 @@ def test_slo_batching_off_keeps_the_split_and_fixes_the_step_budget():
     sim = Simulator(reqs, pol, cost, build_topology(SimConfig(hardware="a100-80g")),
                     on_step=lambda i, plan, k: times.append(float(cost.step_time(plan.shape()))) if plan.prefills else None)
     sim.run()
-    budgets = [b for inst in sim.instances for b in inst.sched.selector.budgets]
+    budgets = [b for inst in sim.instances for b in inst.sched.selector.budget.budgets]
     assert budgets and set(budgets) == {off.chunk_cap}
     assert max(times) > 0.1
 
@@ -331,7 +331,7 @@ def test_dynaserve_on_local_cluster_gives_the_unsplit_tokens(tiny, offset):
     assert gs.splitter.last.split == (60 + offset, 1)
     assert got == ref and c.migrations == 1
     assert not any(e.kv.leaked() for e in c.engines)
-    assert len(c.engines[0].scheduler.selector.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens
+    assert len(c.engines[0].scheduler.selector.budget.budgets) >= 60 // 16  # Alg. 2 chunks capped at 16 tokens
 
 
 def test_prefill_budget_accounts_for_the_chunk_history():

@@ -179,7 +179,7 @@ def _step_budget(cost, banked: int, rescue: float | None) -> int:
     prompt = RequestState(Request(id=99, arrival=now, prompt_len=4096, output_len=10, slo=SLO(ttft=0.5, tpot=0.025)))
     core.add_request(prompt, now)
     core.schedule(now)
-    return core.selector._budget
+    return core.selector.step.prefill
 
 
 def test_ttft_rescue_spends_banked_slack_of_few_decodes_to_save_a_prompt(cost):

@@ -10,7 +10,7 @@ import pytest
 
 from flowyard.core.request import SLO, Request, RequestState
 from flowyard.policies.arrow.pools import PREFILL_SIDE, QuadraticTTFT
-from flowyard.policies.flowyard.selector import FlowyardSelector
+from flowyard.policies.flowyard.selector import TPOTSlackBudget
 from flowyard.policies.flowyard.router import FlowyardConfig, FlowyardRouter
 from flowyard.policies.flowyard.regime import rate as _rate
 from flowyard.policies.flowyard.regime import Choice, Load, RegimePricer
@@ -137,13 +137,13 @@ def _decoding(tpot: float, out: int, first: float) -> RequestState:
 
 
 def test_slack_budget_spends_banked_tpot_time_only(cost):
-    sel = FlowyardSelector(cost, slack=True)
+    sel = TPOTSlackBudget(cost, slack=True)
     fresh = _decoding(0.025, 1, 10.0)
     banked = _decoding(0.025, 100, 10.0)  # 100 tokens in 1 s: 1.5 s of slack banked by t = 11
-    assert sel._limit([fresh], 0.025, 10.0) == 0.025
-    assert sel._limit([banked], 0.025, 11.0) > 0.025
-    assert sel._limit([banked, fresh], 0.025, 10.0) == 0.025  # the tightest decode decides
-    assert FlowyardSelector(cost, slack=False)._limit([banked], 0.025, 11.0) == 0.025
+    assert sel.limit([fresh], 0.025, 10.0) == 0.025
+    assert sel.limit([banked], 0.025, 11.0) > 0.025
+    assert sel.limit([banked, fresh], 0.025, 10.0) == 0.025  # the tightest decode decides
+    assert TPOTSlackBudget(cost, slack=False).limit([banked], 0.025, 11.0) == 0.025
 
 
 def _snap(queue=(), decoding=0, tokens=0, deadlines=None):

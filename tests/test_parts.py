@@ -26,7 +26,7 @@ from flowyard.policies.pla.router import PLARouter
 from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.policy import Policy
 from flowyard.policies.registry import POLICY_NAMES, PolicyOptions, build_policy, policy_requires_predictor
-from flowyard.policies.framework.selector import ChunkedSelector
+from flowyard.policies.framework.chunked import ChunkedSelector
 from flowyard.policies.framework.slack import TTFTPredictor
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import Simulator

@@ -73,7 +73,7 @@ def test_a_tight_deadline_cuts_the_window_short():
     s.add_request(RequestState(req(0, 0.0, 40, ttft=0.03)), 0.0)
     assert s.schedule(0.0) is None
     wake = s.wake_at(0.0)  # when the slack reaches sigma, far before the 50 ms window
-    est = s.selector._short_estimate()
+    est = s.selector.short_estimate()
     assert wake == pytest.approx(0.03 - est - 0.01)
     assert s.schedule(wake) is not None
     s2 = sched(awd=AWDConfig(w_max=0.05, w_min=0.05, sigma=0.05))

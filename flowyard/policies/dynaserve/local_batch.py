@@ -10,15 +10,16 @@ decode count, measured time) in the table, so the prediction follows what the in
 does; before any measurement (cold start) it is the predictor cost model's.
 
 Everything else (queues, KV accounting, preemption, migrations, micro-request split handling)
-is the core's (`local_core.LocalCore`): `DynaServeSelector` is vLLM's chunked selector whose token
-budget is set before every step, and the core's `migration_patience_s` breaks migration
-deadlocks between the instances of a pair.
+is the core's (`local_core.LocalCore`): the selector is vLLM's chunked one composed with
+Alg. 2's budget rule (`TBTBudget`), which returns each step's token budget, and the core's
+`migration_patience_s` breaks migration deadlocks between the instances of a pair.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -27,8 +28,9 @@ from flowyard.core.plan import BatchShape, StepOutput, StepPlan
 from flowyard.core.request import RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import Role
+from flowyard.policies.framework.chunked import ChunkedSelector
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.framework.selector import ChunkedSelector
+from flowyard.policies.framework.parts import CoreView, StepBudget, UrgentQuery
 
 # Prefill budgets the table answers with (tokens), and the bucket edges of its keys.
 PREFILL_GRID: tuple[int, ...] = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
@@ -102,7 +104,7 @@ class ProfileTable:
         self.global_ratio = 1.0
         self._global_used = 1.0
         self.samples = 0
-        self._budget: dict[tuple[int, int], int] = {}
+        self._budget: dict[tuple[int, int, int], int] = {}
         self._grid = [g for g in PREFILL_GRID[1:] if g <= cfg.max_prefill]  # budgets tried, in order
         self._grid_buckets = [_bucket(g) for g in self._grid]
         self._model_times, self._grid_cache = _memos(cost, tuple(self._grid))
@@ -115,8 +117,9 @@ class ProfileTable:
             if len(self._grid_cache) > 1 << 14:
                 self._grid_cache.clear()
             g = np.array(self._grid, dtype=float)  # one vectorised call for the whole grid
-            shape = BatchShape(prefill_tokens=g, prefill_seqs=1, prefill_attn=g * (history + (g + 1) / 2),
-                               prefill_kv=history + g, decode_seqs=n, decode_ctx=ctx * n)
+            attn, kv = g * (history + (g + 1) / 2), history + g  # arrays: BatchShape evaluates element-wise
+            shape = BatchShape(prefill_tokens=g, prefill_seqs=1, prefill_attn=attn,  # type: ignore[arg-type]
+                               prefill_kv=kv, decode_seqs=n, decode_ctx=ctx * n)  # type: ignore[arg-type]
             times = self._grid_cache[key] = np.broadcast_to(self.cost.step_time(shape), g.shape).tolist()
         return times
 
@@ -198,49 +201,73 @@ class ProfileTable:
         return ok
 
 
-class DynaServeSelector(ChunkedSelector):
-    """Chunked prefill (arrival order, each request at most `chunk_cap` tokens a step) whose
-    per-step token budget is the decodes plus Alg. 2's prefill budget from the profile table;
-    every executed step is measured back into the table."""
+class MeasuredStep:
+    """The step in flight, remembered when it is planned so that its measured time can be
+    recorded in profile tables when it has run (DynaServe's online profiling): its prefill
+    tokens, mean decode context, decode count, start and the cost model's time for it."""
 
-    def __init__(self, cost: CostModel, local: LocalConfig = LocalConfig()) -> None:
-        super().__init__(local.min_prefill, chunk_cap=local.chunk_cap)
-        self.local = local
-        self.profile = ProfileTable(cost, local)
-        self.budgets: list[int] = []  # prefill budget of each step (tests, reports)
-        self._budget = 0
-        self._composed: tuple[int, float, int, float, float] | None = None
-
-    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
-        n = len(decodes)
-        ctx = sum(r.num_computed + 1 for r in decodes) / n if n else 0.0
-        history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
-        if self.local.fixed_prefill is not None:  # SLO-aware batching off (Fig. 11's ablation)
-            self._budget = self.local.fixed_prefill
-        else:
-            self._budget = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
-        self.token_budget = n + self._budget
-        return self.token_budget
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._step: tuple[int, float, int, float, float] | None = None
 
     def planned(self, plan: StepPlan, now: float) -> None:
-        self.budgets.append(self._budget)
         shape = plan.shape()
-        dn = shape.decode_seqs
+        dn = int(shape.decode_seqs)
         mean = float(shape.decode_ctx) / dn if dn else 0.0
-        self._composed = (int(shape.prefill_tokens), mean, dn, now, float(self.profile.cost.step_time(shape)))
+        self._step = (int(shape.prefill_tokens), mean, dn, now, float(self.cost.step_time(shape)))
+
+    def measured(self, out: StepOutput) -> tuple[int, float, int, float, float] | None:
+        """(prefill, ctx, decodes, seconds, predicted) of the first executed step of the plan
+        in flight, once (a decode run reports its steps in pieces); None if already taken."""
+        step, self._step = self._step, None
+        if step is None or not len(out.end_times):
+            return None
+        pf, ctx, n, start, model = step
+        return pf, ctx, n, float(out.end_times[0]) - start, model
+
+
+class TBTBudget:
+    """DynaServe's budget rule (Alg. 2): the step's decodes plus the largest prefill budget
+    whose predicted step time stays within the TBT SLO (profile table); every executed step is
+    measured back into the table. `fixed_prefill` ablates it (Fig. 11)."""
+
+    def __init__(self, cost: CostModel, local: LocalConfig = LocalConfig()) -> None:
+        self.local = local
+        self.profile = ProfileTable(cost, local)
+        self.budgets: list[int] = []  # prefill budget of each planned step (tests, reports)
+        self._measure = MeasuredStep(cost)
+
+    def step(self, decodes: Sequence[RequestState], now: float, core: CoreView,
+             urgent: UrgentQuery) -> StepBudget:
+        n = len(decodes)
+        ctx = sum(r.num_computed + 1 for r in decodes) / n if n else 0.0
+        history = max((r.num_computed for r in core.running if r.in_prefill), default=0)
+        if self.local.fixed_prefill is not None:  # SLO-aware batching off (Fig. 11's ablation)
+            prefill = self.local.fixed_prefill
+        else:
+            prefill = max(self.local.min_prefill, self.profile.budget(n, ctx, history))
+        return StepBudget(decodes, prefill, n + prefill, n + prefill)
+
+    def planned(self, plan: StepPlan, budget: StepBudget, now: float) -> None:
+        self.budgets.append(budget.prefill)
+        self._measure.planned(plan, now)
 
     def executed(self, plan: StepPlan, out: StepOutput) -> None:
-        """Record the first executed step of the plan in the profile table."""
-        if self._composed is not None and len(out.end_times):
-            pf, ctx, n, start, model = self._composed
-            self.profile.record(pf, ctx, n, float(out.end_times[0]) - start, model)
-        self._composed = None
+        m = self._measure.measured(out)
+        if m is not None:
+            self.profile.record(*m)
+
+
+def dynaserve_selector(cost: CostModel, local: LocalConfig = LocalConfig()) -> ChunkedSelector:
+    """Alg. 2's selector: chunked prefill in arrival order, each request at most `chunk_cap`
+    tokens a step, under the TBT budget rule."""
+    return ChunkedSelector(TBTBudget(cost, local), chunk_cap=local.chunk_cap)
 
 
 def dynaserve_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel,
                         local: LocalConfig = LocalConfig(), *, max_num_seqs: int = 256,
                         max_model_len: int | None = None, max_repeats: int = 512) -> LocalCore:
     """DynaServe's local scheduler: the core with Alg. 2's selector and migration patience."""
-    return LocalCore(instance, role, kv, DynaServeSelector(cost, local), max_num_seqs=max_num_seqs,
+    return LocalCore(instance, role, kv, dynaserve_selector(cost, local), max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len, max_repeats=max_repeats,
                      migration_patience_s=local.migration_patience_s)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class VirtualBatch(PassTimeline):
         self._fit()
 
     # -- cost-model constants for the closed forms ---------------------------------------
-    def _t(self, **f: float) -> float:
+    def _t(self, **f: Any) -> float:
         return float(self.cost.step_time(BatchShape(**f)))
 
     def _fit(self) -> None:
@@ -133,7 +133,7 @@ class VirtualBatch(PassTimeline):
         if not n:
             return np.zeros(0), np.zeros(0), np.zeros(0)
         if not marginals:
-            t = self.cost.step_time(BatchShape(*cols))
+            t = np.asarray(self.cost.step_time(BatchShape(*cols)))
             return t if idle is None else np.where(idle, M[DUR, sl], t), M[MDEC, sl], M[MPF, sl]
         g = float(_PROBE_TOKENS)
         x = np.tile(cols, 3)  # the passes, one more decode in each, g more prefill tokens in each

@@ -12,80 +12,27 @@ Three pieces, named as in the paper:
   batching if it is a new request, and keeps E the highest-priority task.
 
 The Request Queue and the Execution Pool are a prefill selector of the local scheduler core
-(`local_core.LocalCore`, role PREFILL): the core admits requests, applies finished steps and hands
-each request off when its prompt is done; `FlowPrefillSelector` decides what runs and when to
-preempt. Nothing here reads a clock or knows whether the step runs on a GPU or in the
-simulator: the same object drives both executors.
+(`local_core.LocalCore`, role PREFILL): the core admits requests, applies finished steps and
+hands each request off when its prompt is done; `FlowPrefillSelector` decides what runs and when
+to preempt (its configuration and the `Task` type: `flowprefill.task`). Nothing here reads a
+clock or knows whether the step runs on a GPU or in the simulator: the same object drives both
+executors.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import PrefillSlice, StepPlan
 from flowyard.core.request import RequestState
 from flowyard.costmodel.base import LAYER_OPS, CostModel
+from flowyard.policies.flowprefill.task import GRANULARITY_STRIDE, FlowPrefillConfig, FlowPrefillStats, Task
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.local_core import LocalCore
+from flowyard.policies.framework.parts import CoreView, admit_whole
 from flowyard.policies.framework.selector import PrefillSelector
-from flowyard.policies.framework.slack import PRIORITIES, TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
-
-GRANULARITY_STRIDE = {"operator": 1, "layer": len(LAYER_OPS), "chunk": 0}
-
-
-@dataclass(frozen=True, slots=True)
-class FlowPrefillConfig:
-    """priority: "s-edf" (the paper's), "edf" or "d-edf" (the ablation of Fig. 10).
-    batch_token_budget: G of Alg. 1; None batches without a token limit, 0 never batches.
-    granularity: where a running task may be suspended: after any operator, after a whole
-      layer, or only between steps ("chunk", which is preemption by chunked prefill alone).
-    chunk_size: split prompts into chunks of at most this many tokens (§6.5); None runs each
-      prompt whole."""
-
-    priority: str = "s-edf"
-    batch_token_budget: int | None = 4096
-    granularity: str = "operator"
-    chunk_size: int | None = None
-    max_num_seqs: int = 256
-
-    def __post_init__(self) -> None:
-        if self.priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
-        if self.granularity not in GRANULARITY_STRIDE:
-            raise ValueError(f"granularity must be one of {', '.join(GRANULARITY_STRIDE)}, "
-                             f"got {self.granularity!r}")
-        if self.batch_token_budget is not None and self.batch_token_budget < 0:
-            raise ValueError("batch_token_budget must be >= 0 (or None for no limit)")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError("chunk_size must be positive (or None for whole prompts)")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be positive")
-
-
-@dataclass(eq=False, slots=True)
-class Task:
-    """An execution task: one batch led by its highest-priority request `head` (H)."""
-
-    plan: StepPlan
-    head: RequestState
-    total_ops: int
-    predicted: float  # predicted time of the whole step (the batch latency L of Alg. 1)
-
-    @property
-    def remaining(self) -> float:
-        """Share of the task's operators still to run."""
-        return 1.0 - self.plan.ops_done / self.total_ops
-
-
-@dataclass(slots=True)
-class FlowPrefillStats:
-    rounds: int = 0
-    submits: int = 0
-    preemptions: int = 0
-    resumes: int = 0
-    batched: list[int] = field(default_factory=list)  # requests per submitted task
+from flowyard.policies.framework.slack import TTFTPredictor, WaitingQueue, priority_key, slo_aware_batch
 
 
 class FlowPrefillSelector(PrefillSelector):
@@ -103,7 +50,7 @@ class FlowPrefillSelector(PrefillSelector):
         self.stats = FlowPrefillStats()
         self._seq = itertools.count()
 
-    def bind(self, core: LocalCore) -> None:
+    def bind(self, core: CoreView) -> None:
         if core.role is not Role.PREFILL:
             raise ValueError("FlowPrefill schedules prefill instances (PD disaggregation): its "
                              "operator-level preemption suspends prefill-only steps")
@@ -214,7 +161,7 @@ class FlowPrefillSelector(PrefillSelector):
         return n if self.config.chunk_size is None else min(n, self.config.chunk_size)
 
     def _admit(self, st: RequestState, n: int, plan: StepPlan) -> bool:
-        if not self.admit_whole(st, n, plan):
+        if not admit_whole(self.kv, st, n, plan):
             return False
         del self.waiting[st.id]
         return True

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 def flowyard_policy(name: str, o: PolicyOptions) -> Policy:
     """Assemble `flowyard` (registry entry): MIXED instances under a `Composed` global scheduler
-    whose dispatcher, decode router and controller are one `FlowyardRouter`."""
+    whose dispatcher, decode router and controller are one `FlowyardRouter`. Each instance is a
+    `LocalCore` whose chunked selector (`selector.flowyard_selector`) is S-EDF order x
+    `TPOTSlackBudget` x parking `Admission` x `SlackPlaces` x `MooreHodgsonShedding`."""
     if o.predictor is None:
         raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) for its regime controller, "
                          "TTFT predictor and step budgets")

@@ -1,5 +1,8 @@
 """The local scheduler of the `flowyard` policy: one `LocalCore` per (MIXED) instance whose
-prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded step budget.
+chunked prefill selector (`framework.chunked.ChunkedSelector`) is composed of FlowPrefill's
+S-EDF order, a TPOT-slack budget rule after DynaServe's Alg. 2 (`TPOTSlackBudget`), parking
+admission (`Admission`), decode places by banked slack (`SlackPlaces`) and Moore-Hodgson
+shedding (`MooreHodgsonShedding`); `flowyard_selector` assembles them.
 
 - **Order (FlowPrefill §5.2, S-EDF).** Queued prompts are ranked by sgn(slack)/deadline with
   slack = TTFT deadline − now − TTFT-hat: among requests that can still make their TTFT SLO,
@@ -58,14 +61,19 @@ prefill selector takes FlowPrefill's queue order and DynaServe's TBT-bounded ste
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import BatchShape, StepOutput, StepPlan
 from flowyard.core.request import RequestState, Status
 from flowyard.costmodel.base import CostModel
+from flowyard.policies.dynaserve.local_batch import LocalConfig, MeasuredStep, ProfileTable
+from flowyard.policies.framework.chunked import ChunkedSelector
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.dynaserve.local_batch import DynaServeSelector, LocalConfig, ProfileTable
 from flowyard.policies.framework.order import QueueOrder, moore_hodgson
+from flowyard.policies.framework.parts import (Admission, CoreView, DecodePlaces, FirstAdmitted, Ranked, StepBudget,
+                                               UrgentQuery, want)
 from flowyard.policies.framework.slack import TTFTPredictor, given_up
 
 INF = float("inf")
@@ -83,95 +91,61 @@ def banked(st: RequestState, now: float, default_tpot: float | None = None) -> f
     return tpot * st.num_output - (now - st.first_token_time)
 
 
-class FlowyardSelector(DynaServeSelector):
-    """Chunked prefill in `order` with a per-step budget bounded by the decodes' TPOT SLO."""
+class TPOTSlackBudget:
+    """The step's prefill budget bounded by its decodes' TPOT SLO (module docstring: Budget,
+    TTFT rescue): the decodes that take the max_num_seqs places plus Alg. 2's largest prefill
+    budget within the TPOT value the step answers for (`limit`), capped at the chunk; a step
+    without decodes (or `tbt_budget` off) takes the full chunk. One profile table per TPOT
+    value, each fed every measured step."""
 
-    def __init__(self, cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
-                 headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
-                 shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None,
-                 places: str = "fcfs", default_tpot: float = 0.1, shed_rate: str = "alone") -> None:
-        local = LocalConfig(tbt_slo=1.0, headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill,
-                            max_prefill=chunk)
-        super().__init__(cost, local)
-        self.chunk, self.tbt_budget, self.slack, self.shed = chunk, tbt_budget, slack, shed
-        self.prefill_preempts, self.rescue = prefill_preempts, rescue
-        if park < 1:
-            raise ValueError(f"park must be >= 1 (a multiple of max_num_seqs), got {park}")
-        if places not in PLACES:
-            raise ValueError(f"decode places must be one of {PLACES}, got {places!r}")
-        if shed_rate not in SHED_RATES:
-            raise ValueError(f"shed_rate must be one of {SHED_RATES}, got {shed_rate!r}")
-        self.park, self.places, self.default_tpot, self.shed_rate = park, places, default_tpot, shed_rate
-        self._ready: list[RequestState] = []  # this step's decodes (`shed_rate` "shared" prices them)
-        self.order = QueueOrder(order)
-        self.ttft_hat = TTFTPredictor(cost).request if self.order.needs_ttft else None
-        self._tables: dict[float, ProfileTable] = {}
+    def __init__(self, cost: CostModel, *, chunk: int = 2048, headroom: float = 0.9, min_prefill: int = 64,
+                 tbt_budget: bool = True, slack: bool = True, rescue: float | None = None) -> None:
+        LocalConfig(headroom=headroom, chunk_cap=chunk, min_prefill=min_prefill, max_prefill=chunk)  # validates
+        self.cost, self.chunk, self.headroom, self.min_prefill = cost, chunk, headroom, min_prefill
+        self.tbt_budget, self.slack, self.rescue = tbt_budget, slack, rescue
+        self.tables: dict[float, ProfileTable] = {}
+        self._measure = MeasuredStep(cost)
 
-    def _table(self, tpot: float) -> ProfileTable:
-        t = self._tables.get(tpot)
+    def table(self, tpot: float) -> ProfileTable:
+        t = self.tables.get(tpot)
         if t is None:
-            cfg = LocalConfig(tbt_slo=tpot, headroom=self.local.headroom, chunk_cap=self.chunk,
-                              min_prefill=self.local.min_prefill, max_prefill=self.chunk)
-            t = self._tables[tpot] = ProfileTable(self.profile.cost, cfg)
+            cfg = LocalConfig(tbt_slo=tpot, headroom=self.headroom, chunk_cap=self.chunk,
+                              min_prefill=self.min_prefill, max_prefill=self.chunk)
+            t = self.tables[tpot] = ProfileTable(self.cost, cfg)
         return t
 
-    def decode_order(self, decodes: list[RequestState], now: float) -> list[RequestState]:
-        """Who takes the max_num_seqs decode places when more decodes hold KV (parked, `park`):
-        the earliest admitted (fcfs), or the least banked TPOT slack first (`places` "slack"),
-        so a parked request takes the place of one that ran ahead of its SLO and the wait is
-        spread over all instead of landing on the parked requests' first gaps. A request
-        without a TPOT SLO is ranked as if it had `default_tpot`, so it is not starved."""
-        if self.places == "fcfs" or len(decodes) <= self.core.max_num_seqs:
-            return decodes
-        return sorted(decodes, key=lambda r: banked(r, now, self.default_tpot))
-
-    def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
-        """The decodes that join this step: the first max_num_seqs in `decode_order`."""
-        ready = decodes[:self.core.max_num_seqs]
+    def step(self, decodes: Sequence[RequestState], now: float, core: CoreView,
+             urgent: UrgentQuery) -> StepBudget:
+        """The decodes that join this step are the first max_num_seqs in place order."""
+        ready = decodes[:core.max_num_seqs]
         n = len(ready)
         tpots = [r.req.slo.tpot for r in ready if r.req.slo.tpot is not None]
         if not self.tbt_budget or not n or not tpots:
-            self._budget = self.chunk
+            prefill = self.chunk
         else:
             ctx = sum(r.num_computed + 1 for r in ready) / n
-            history = max((r.num_computed for r in self.core.running if r.in_prefill), default=0)
-            budget = self._table(self._limit(ready, min(tpots), now)).budget(n, ctx, history)
-            self._budget = min(self.chunk, max(self.local.min_prefill, budget))
-            if self.rescue is not None and self._budget < self.chunk:
-                self._budget = self._rescued(ready, ctx * n, now) or self._budget
-        self.token_budget = n + self._budget
-        self._ready = ready
-        return n
+            history = max((r.num_computed for r in core.running if r.in_prefill), default=0)
+            budget = self.table(self.limit(ready, min(tpots), now)).budget(n, ctx, history)
+            prefill = min(self.chunk, max(self.min_prefill, budget))
+            if self.rescue is not None and prefill < self.chunk:
+                prefill = self.rescued(ready, ctx * n, prefill, now, urgent, self.rescue) or prefill
+        return StepBudget(ready, prefill, n + prefill, n)
 
-    def _stretch(self) -> float:
-        """How much longer prefill takes in this step's shape than alone: the decodes' share
-        (`shed_rate` "shared"; 1 when timed alone)."""
-        n = len(self._ready)
-        if self.shed_rate == "alone" or not n:
-            return 1.0
-        ctx_sum = sum(r.num_computed + 1 for r in self._ready)
-        cost, b = self.profile.cost, self._budget
-        alone = float(cost.step_time(BatchShape.chunk(0, b)))
-        return max(1.0, float(cost.step_time(BatchShape.chunk(0, b, n, ctx_sum))) / alone) if alone > 0 else 1.0
-
-    def _rescued(self, ready: list, ctx_sum: float, now: float) -> int | None:
-        """TTFT rescue (module docstring): the smallest doubling of the budget with which the
-        top-ranked prompt makes its deadline, if this step's decodes can spare it; else None."""
-        if self.order.static:
+    def rescued(self, ready: Sequence[RequestState], ctx_sum: float, b: int, now: float, urgent: UrgentQuery,
+                share: float) -> int | None:
+        """TTFT rescue (module docstring): the smallest doubling of the budget b with which the
+        top-ranked prompt makes its deadline, if no more than `share` of this step's decodes
+        lose banked slack by it; else None."""
+        top = urgent(now)
+        if top is None:
             return None
-        cands = [r for r in self.core.running if r.in_prefill and r.status is Status.RUNNING]
-        cands += self.waiting_states()
-        if not cands:
-            return None
-        (late, due, *_), head = min(((self.order.key(st, now, self.ttft_hat), st) for st in cands),
-                                    key=lambda e: e[0])
-        u, h, n = self.want(head), head.num_computed, len(ready)
+        head, due = top.state, top.deadline
+        u, h, n = want(head), head.num_computed, len(ready)
 
         def step(b: int) -> float:
-            return float(self.profile.cost.step_time(BatchShape.chunk(h, min(u, b), n, ctx_sum)))
+            return float(self.cost.step_time(BatchShape.chunk(h, min(u, b), n, ctx_sum)))
 
-        b = self._budget
-        if late or not u or now + -(-u // b) * step(b) <= due:
+        if top.given_up or not u or now + -(-u // b) * step(b) <= due:
             return None
         while b < self.chunk:
             b = min(self.chunk, 2 * b)
@@ -181,9 +155,9 @@ class FlowyardSelector(DynaServeSelector):
         else:
             return None  # not even full chunks save it
         spent = sum(1 for r in ready if banked(r, now) < t)
-        return b if spent <= self.rescue * n else None
+        return b if spent <= share * n else None
 
-    def _limit(self, ready: list, tpot: float, now: float) -> float:
+    def limit(self, ready: Sequence[RequestState], tpot: float, now: float) -> float:
         """The TPOT value this step's budget answers for: the tightest SLO, or (`slack`) the
         largest rung of tpot x 2^k that every decode's banked slack covers. TPOT is a mean
         ((last - first) / (n - 1)): a decode with k tokens out since its first at f still
@@ -198,77 +172,94 @@ class FlowyardSelector(DynaServeSelector):
             rung *= 2
         return tpot * rung
 
-    def select(self, plan: StepPlan, now: float) -> StepPlan:
-        """Started and queued prompts ranked together in `order` (module docstring); a static
-        order (fcfs, edf) keeps vLLM's rule (started prompts first)."""
-        if self.order.static:
-            return super().select(plan, now)
-        core = self.core
-        key = self.order.key
-        queued = self.queued(now)
-        started = [r for r in core.running if r.in_prefill and r.status is Status.RUNNING]
-        # (rank key, started first on ties, their order, state, whether it is queued)
-        queue = [(key(st, now, self.ttft_hat), 0, k, st, False) for k, st in enumerate(started)]
-        queue += [(key(st, now, self.ttft_hat), 1, seq, st, True) for seq, st in queued]
-        queue.sort(key=lambda q: (q[0], q[1], q[2]))
-        if self.shed and self.order.needs_ttft:
-            queue = self._shed(queue, now)
-        budget = self.token_budget - plan.num_tokens
-        taken: list[RequestState] = []
-        admit = True  # False once a queued prompt found no KV: no later one overtakes it
-        for _, _, _, st, is_queued in queue:
-            if budget <= 0:
-                break
-            if not is_queued:  # started: its KV grows chunk by chunk (held while it waits)
-                if st.status is Status.RUNNING:  # else preempted by an earlier grow this step
-                    budget -= self.continue_prompt(st, budget, plan, now)
-                continue
-            if not admit or len(core.running) >= core.max_num_seqs * self.park:
-                continue
-            n = self.start_prompt(st, budget, plan)
-            if not n:
-                admit = False  # started prompts still get their chunks (they hold KV already)
-                continue
-            taken.append(st)
-            budget -= n
-        if taken:
-            self.dequeue(taken)
-        return plan
+    def planned(self, plan: StepPlan, budget: StepBudget, now: float) -> None:
+        self._measure.planned(plan, now)
 
-    def _shed(self, queue: list[tuple], now: float) -> list[tuple]:
-        """Overload: the prompts Moore-Hodgson gives up (`order.moore_hodgson`), run back to
-        back in this order at this instance's rate (`shed_rate`), rank with the late ones, so
-        the rest all make their TTFT."""
-        jobs = [(q[0][1], self.ttft_hat(q[3]), i) for i, q in enumerate(queue) if q[0][0] == 0]
+    def executed(self, plan: StepPlan, out: StepOutput) -> None:
+        """Record the step in every profile table (they differ only in the SLO they answer for)."""
+        m = self._measure.measured(out)
+        if m is not None:
+            for t in self.tables.values():
+                t.record(*m)
+
+
+class SlackPlaces:
+    """Decode places by banked slack (module docstring): when more decodes hold KV than there
+    are places, the least banked TPOT slack first, so a parked request takes the place of one
+    that ran ahead of its SLO and the wait is spread over all instead of landing on the parked
+    requests' first gaps. A request without a TPOT SLO is ranked as if it had `default_tpot`,
+    so it is not starved."""
+
+    def __init__(self, default_tpot: float = 0.1) -> None:
+        self.default_tpot = default_tpot
+
+    def order(self, decodes: list[RequestState], now: float, places: int) -> list[RequestState]:
+        if len(decodes) <= places:
+            return decodes
+        return sorted(decodes, key=lambda r: banked(r, now, self.default_tpot))
+
+    def allows_run(self, core: CoreView) -> bool:
+        """No multi-step decode run while the places rotate (more decodes than places)."""
+        decodes = sum(1 for r in core.running if r.status is Status.RUNNING and not r.in_prefill)
+        return decodes <= core.max_num_seqs
+
+
+class MooreHodgsonShedding:
+    """Overload (module docstring: Shedding at the shared rate): the prompts Moore-Hodgson
+    gives up (`order.moore_hodgson`), run back to back in rank order at this instance's rate,
+    rank with the late ones, so the rest all make their TTFT. `shared`: each prompt is timed
+    at the step's stretch beside its decodes, step(budget beside them) / step(budget alone)."""
+
+    def __init__(self, ttft_hat: Callable[[RequestState], float], cost: CostModel, shared: bool = True) -> None:
+        self.ttft_hat, self.cost, self.shared = ttft_hat, cost, shared
+
+    def stretch(self, budget: StepBudget) -> float:
+        """How much longer prefill takes in this step's shape than alone (1 when timed alone)."""
+        n = len(budget.decodes)
+        if not self.shared or not n:
+            return 1.0
+        ctx_sum = sum(r.num_computed + 1 for r in budget.decodes)
+        b = budget.prefill
+        alone = float(self.cost.step_time(BatchShape.chunk(0, b)))
+        shared = float(self.cost.step_time(BatchShape.chunk(0, b, n, ctx_sum)))
+        return max(1.0, shared / alone) if alone > 0 else 1.0
+
+    def shed(self, queue: list[Ranked], now: float, budget: StepBudget) -> list[Ranked]:
+        jobs = [(q.key[1], self.ttft_hat(q.state), i) for i, q in enumerate(queue) if q.key[0] == 0]
         if not jobs:
             return queue
-        f = self._stretch()  # priced only when some prompt can still make its deadline
+        f = self.stretch(budget)  # priced only when some prompt can still make its deadline
         late = moore_hodgson(((due, f * t, i) for due, t, i in jobs), now)
         if not late:
             return queue
         for i in late:
-            queue[i] = (given_up(queue[i][0]), *queue[i][1:])
-        queue.sort(key=lambda q: (q[0], q[1], q[2]))
+            queue[i] = queue[i]._replace(key=given_up(queue[i].key))
+        queue.sort(key=Ranked.sort_key)
         return queue
 
-    def allows_run(self) -> bool:
-        """No multi-step decode run while prompts wait or while the decode places rotate
-        (more decodes than places, `places` "slack"): S-EDF's ranking, the KV admission rule
-        and the places are redone at every step, so a run would not be the steps it stands for."""
-        if self.num_waiting:
-            return False
-        if self.places == "fcfs":
-            return True
-        decodes = sum(1 for r in self.core.running if r.status is Status.RUNNING and not r.in_prefill)
-        return decodes <= self.core.max_num_seqs
 
-    def executed(self, plan, out: StepOutput) -> None:
-        """Record the step in every profile table (they differ only in the SLO they answer for)."""
-        if self._composed is not None and len(out.end_times):
-            pf, ctx, n, start, model = self._composed
-            for t in self._tables.values():
-                t.record(pf, ctx, n, float(out.end_times[0]) - start, model)
-        self._composed = None
+def flowyard_selector(cost: CostModel, *, chunk: int = 2048, order: str = "s-edf", tbt_budget: bool = True,
+                      headroom: float = 0.9, min_prefill: int = 64, slack: bool = True, park: float = 1.0,
+                      shed: bool = False, prefill_preempts: bool = True, rescue: float | None = None,
+                      places: str = "fcfs", default_tpot: float = 0.1, shed_rate: str = "alone") -> ChunkedSelector:
+    """flowyard's prefill selector: chunked prefill in `order` (started and queued prompts
+    ranked together under a slack order), the TPOT-slack budget, parking admission with chunks
+    that wait for KV (unless `prefill_preempts`), decode places by `places`, and Moore-Hodgson
+    shedding (`shed`, under S-EDF) timed at `shed_rate`."""
+    if places not in PLACES:
+        raise ValueError(f"decode places must be one of {PLACES}, got {places!r}")
+    if shed_rate not in SHED_RATES:
+        raise ValueError(f"shed_rate must be one of {SHED_RATES}, got {shed_rate!r}")
+    queue_order = QueueOrder(order)
+    ttft_hat = TTFTPredictor(cost).request if queue_order.needs_ttft else None
+    budget = TPOTSlackBudget(cost, chunk=chunk, headroom=headroom, min_prefill=min_prefill, tbt_budget=tbt_budget,
+                             slack=slack, rescue=rescue)
+    admission = Admission(park=park, chunk_preempts=prefill_preempts, runs_while_queued=False)
+    decode_places: DecodePlaces = SlackPlaces(default_tpot) if places == "slack" else FirstAdmitted()
+    shedding = MooreHodgsonShedding(ttft_hat, cost, shed_rate == "shared") \
+        if shed and ttft_hat is not None else None
+    return ChunkedSelector(budget, order=queue_order, ttft_hat=ttft_hat, chunk_cap=chunk, admission=admission,
+                           places=decode_places, shedding=shedding, together=True)
 
 
 def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: CostModel, *, chunk: int = 2048,
@@ -279,8 +270,8 @@ def flowyard_scheduler(instance: int, role: Role, kv: KVCacheManager, cost: Cost
                        shed_rate: str = "alone") -> LocalCore:
     if role is not Role.MIXED:
         raise ValueError(f"flowyard's instances are MIXED (stateless, Arrow), got {role}")
-    sel = FlowyardSelector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
-                           prefill_preempts=prefill_preempts, rescue=rescue, places=places, default_tpot=default_tpot,
-                           shed_rate=shed_rate)
+    sel = flowyard_selector(cost, chunk=chunk, order=order, tbt_budget=tbt_budget, slack=slack, park=park, shed=shed,
+                            prefill_preempts=prefill_preempts, rescue=rescue, places=places,
+                            default_tpot=default_tpot, shed_rate=shed_rate)
     return LocalCore(instance, role, kv, sel, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      max_repeats=max_repeats)

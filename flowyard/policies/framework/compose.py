@@ -24,7 +24,7 @@ monitor read and flip the same pools).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, cast, runtime_checkable
 
 from flowyard.cluster.index import least
 from flowyard.core.request import Request, RequestState
@@ -44,6 +44,19 @@ class Splitter(Protocol):
 
 class DecodeRouter(Protocol):
     def route_decode(self, state: RequestState, src: int, view: ClusterView, now: float) -> int: ...
+
+
+class Learner(Protocol):
+    """A part that declares `learns`: hears of every finished request."""
+
+    def on_finished(self, state: RequestState, now: float) -> None: ...
+
+
+class PoolKeeper(Protocol):
+    """A part that declares `has_pools`: keeps a pool model (None until its first use)."""
+
+    @property
+    def pools(self) -> Pools | None: ...
 
 
 @runtime_checkable
@@ -68,8 +81,9 @@ class Composed(GlobalScheduler):
             self.period = min(periods)
         self._ticked: dict[int, float] = {}
         parts = self.parts
-        self._learners = [p for p in parts if capabilities_of(p).learns]
-        self._pool_keepers = [p for p in parts if capabilities_of(p).has_pools]
+        # what these capabilities declare (`capabilities`): the methods and attributes below
+        self._learners = [cast(Learner, p) for p in parts if capabilities_of(p).learns]
+        self._pool_keepers = [cast(PoolKeeper, p) for p in parts if capabilities_of(p).has_pools]
         self.capabilities = Capabilities(
             routes_mixed=decode_router is not None and capabilities_of(decode_router).routes_mixed,
             chunked_kv=splitter is None or capabilities_of(splitter).chunked_kv,
@@ -90,7 +104,7 @@ class Composed(GlobalScheduler):
         if self._pools is not None:
             return self._pools
         for p in self._pool_keepers:
-            pools = p.pools  # type: ignore[attr-defined]  # declared by has_pools
+            pools = p.pools
             if isinstance(pools, Pools):
                 return pools
         return None
@@ -117,13 +131,14 @@ class Composed(GlobalScheduler):
         the composed period, which is the executor's)."""
         for c in self.controllers:
             last = self._ticked.get(id(c))
-            if c.period == self.period or last is None or now - last >= c.period - 1e-9:  # type: ignore[operator]
+            period = c.period  # None: at every composed tick
+            if period is None or period == self.period or last is None or now - last >= period - 1e-9:
                 self._ticked[id(c)] = now
                 c.tick(view, now)
 
     def on_finished(self, state: RequestState, now: float) -> None:
         for p in self._learners:
-            p.on_finished(state, now)  # type: ignore[attr-defined]
+            p.on_finished(state, now)
 
     def pool_moves(self) -> Sequence[tuple[float, int, str, str]]:
         pools = self.pools
@@ -136,7 +151,7 @@ def entry(view: ClusterView) -> list[int]:
     return list(view.instances(Role.PREFILL)) or list(view.instances(Role.MIXED))
 
 
-def argmin(view: ClusterView, ids: list[int], score) -> int:
+def argmin(view: ClusterView, ids: list[int], score: Callable[[InstanceSnapshot], Any]) -> int:
     """Lowest score; ties towards the lowest instance id (deterministic runs)."""
     return min(ids, key=lambda i: (score(view.snapshot(i)), i))
 

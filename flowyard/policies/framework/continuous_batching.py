@@ -2,7 +2,7 @@
 
 vLLM's colocated scheduler, DistServe's prefill and decode instances and the chunked-prefill +
 EDF variants differ only in role, token budget, chunking and queue order, so each is the one
-core (`local_core.LocalCore`) with vLLM's prefill side (`selector.ChunkedSelector`): running requests
+core (`local_core.LocalCore`) with vLLM's prefill side (`chunked.ChunkedSelector`): running requests
 first (decodes, then partial prefills), then waiting requests while the token budget,
 `max_num_seqs` and KV allow; when a running request cannot get a KV block, the most recently
 admitted running request is preempted and later recomputed.
@@ -18,7 +18,7 @@ from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import Role
 from flowyard.policies.framework.local_core import LocalCore
 from flowyard.policies.framework.order import ORDERS
-from flowyard.policies.framework.selector import ChunkedSelector
+from flowyard.policies.framework.chunked import ChunkedSelector
 
 
 @dataclass(frozen=True, slots=True)

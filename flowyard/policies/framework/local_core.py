@@ -5,9 +5,10 @@ not subclasses:
 
 - `role`: MIXED decodes what it prefilled; PREFILL hands a request off once its prompt is
   done (the KV stays until `release`); DECODE only takes migrations.
-- `selector` (`selector.PrefillSelector`): which prompts join a step and how much of them:
-  vLLM's chunked budget with a queue order (fcfs, edf, priority, s-edf, d-edf), DynaServe's
-  Alg. 2 budget, PLA-Serve's AWD short/long batches, FlowPrefill's SLO-aware batches with
+- `selector` (`selector.PrefillSelector`, seeing the core only as `parts.CoreView`): which
+  prompts join a step and how much of them: chunked prefill composed of a budget rule, an
+  order, admission, decode places and shedding (`chunked.ChunkedSelector`: vLLM, DynaServe's
+  Alg. 2, flowyard), PLA-Serve's AWD short/long batches, FlowPrefill's SLO-aware batches with
   operator preemption.
 - knobs: `max_num_seqs`, `max_model_len`, `max_repeats` (longest multi-step decode run a
   simulator may fold), `migration_patience_s` (DynaServe's deadlock breaker).

@@ -22,11 +22,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.slack import INF, PRIORITIES, deadline, priority_key
 
+H = TypeVar("H", bound=Hashable)
 ORDERS: tuple[str, ...] = ("fcfs", "edf", "priority") + tuple(p for p in PRIORITIES if p != "edf")
 
 
@@ -61,15 +62,17 @@ class QueueOrder:
             return (deadline(req), req.arrival, req.id)
         if self.needs_ttft and ttft_hat is None:
             raise ValueError("s-edf needs a TTFT predictor (the selector's predictor)")
-        hat = ttft_hat(st) if self.needs_ttft else 0.0  # type: ignore[misc]
+        hat = ttft_hat(st) if self.needs_ttft and ttft_hat is not None else 0.0
         return priority_key(self.name, req, now, hat)
 
 
-def moore_hodgson(jobs: Iterable[tuple[float, float, Hashable]], now: float) -> set[Hashable]:
+def moore_hodgson(jobs: Iterable[tuple[float, float, H]], now: float) -> set[H]:
     """The jobs (deadline, time, id), given in deadline order and run one after another from
     `now`, to give up so that the most of the others finish by their deadlines (Moore-Hodgson:
     optimal for one server; the rest, in the same order, all finish on time)."""
-    t, taken, late = now, [], set()
+    t = now
+    taken: list[tuple[float, int, H]] = []
+    late: set[H] = set()
     for k, (due, time, ident) in enumerate(jobs):
         t += time
         heapq.heappush(taken, (-time, -k, ident))  # ties: give up the later-due one

@@ -257,14 +257,14 @@ def slo_aware_batch(plan: StepPlan, c: Candidates, remain: float, budget: int | 
         if short:
             idx, arr = [k for k in range(j, len(ns)) if ns[k] < left], None
         else:
-            arr = np.flatnonzero(c.n[j:] < left) + j  # type: ignore[operator]
+            arr = np.flatnonzero(np.asarray(c.n)[j:] < left) + j
             idx = arr[:SCALAR_PROBES].tolist()
         i = _admit_first(plan, c, idx[:SCALAR_PROBES], remain, base, predict, admit)
         if i is None and arr is not None and arr.size > SCALAR_PROBES:
             rest = arr[SCALAR_PROBES:]
             lat = None
             if rest.size >= VECTOR_MIN and predict.vectorised:
-                lat = predict.probes(base, c.start[rest], c.n[rest])  # type: ignore[index]
+                lat = predict.probes(base, np.asarray(c.start)[rest], np.asarray(c.n)[rest])
             todo = rest.tolist() if lat is None else rest[remain > lat].tolist()
             i = _admit_first(plan, c, todo, remain, base if lat is None else None, predict, admit)
         elif i is None:

@@ -5,6 +5,8 @@ SLA-deviation signal)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from flowyard.core.plan import StepPlan
@@ -43,9 +45,10 @@ class StepMonitor:
         """st produced a token from its prompt: count its TTFT SLO outcome (not recomputes)."""
         if st.req.slo.ttft is not None and st.num_output == 1:
             self.slo_done += 1
-            self.slo_late += st.first_token_time > deadline(st.req)
+            first = st.first_token_time  # set: st has its first token
+            self.slo_late += first is not None and first > deadline(st.req)
 
-    def steps(self, plan: StepPlan, times) -> None:
+    def steps(self, plan: StepPlan, times: Sequence[float] | np.ndarray) -> None:
         """Busy time, and the token intervals of these steps folded into the EWMA. An interval
         is the time from the previous decoding step's end (or from this plan's start, when the
         step before did not decode) to this step's end: what a decoding user waits per token."""

@@ -33,12 +33,13 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import PrefillSlice, StepPlan
 from flowyard.core.request import Request, RequestState
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.pla.awd import AWDConfig, AWDState
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.local_core import LocalCore
-from flowyard.policies.pla.boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
+from flowyard.policies.framework.parts import admit_whole
 from flowyard.policies.framework.selector import PrefillSelector
 from flowyard.policies.framework.slack import TTFTPredictor, deadline
+from flowyard.policies.pla.awd import AWDConfig, AWDState
+from flowyard.policies.pla.boundary import LengthModel, classify, fit_length_model, samples_from_cost_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,7 @@ class PLASelector(PrefillSelector):
         slacks = [deadline(s.req) - now - est for s in self.short.values() if s.req.slo.ttft is not None]
         return min(slacks) if slacks else None
 
-    def _short_estimate(self) -> float:
+    def short_estimate(self) -> float:
         """S_hat: predicted time of a short batch of the current target depth."""
         if not self.short:
             return 0.0
@@ -178,7 +179,7 @@ class PLASelector(PrefillSelector):
 
     def _choose(self, now: float) -> StepPlan | None:
         if self.short:
-            est = self._short_estimate()
+            est = self.short_estimate()
             slack = self._min_slack(now, est)
             hol = next(iter(self.short.values())).req.arrival
             if self.config.deadline_free:
@@ -202,7 +203,7 @@ class PLASelector(PrefillSelector):
     def wake_at(self, now: float) -> float | None:
         if not self.short:
             return None
-        est = self._short_estimate()
+        est = self.short_estimate()
         hol = next(iter(self.short.values())).req.arrival
         return self.awd.wake(now, len(self.short), self._min_slack(now, est), hol)
 
@@ -229,7 +230,7 @@ class PLASelector(PrefillSelector):
             want = max(longest, todo[st.id])
             if plan.prefills and (cfg.bucket(want) or want) * (len(plan.prefills) + 1) > cfg.memory_budget:
                 continue
-            if not self.admit_whole(st, st.uncomputed, plan):
+            if not admit_whole(self.core.kv, st, st.uncomputed, plan):
                 continue
             del self.short[st.id]
             longest = max(longest, plan.prefills[-1].n)
@@ -261,7 +262,7 @@ class PLASelector(PrefillSelector):
         budget = self.config.long_chunk
         while self.long and budget > 0 and len(plan.prefills) < self._seq_room():
             st = self.long[0]
-            if not self.admit_whole(st, min(budget, st.uncomputed), plan):
+            if not admit_whole(self.core.kv, st, min(budget, st.uncomputed), plan):
                 break
             self.long.popleft()  # an unfinished prompt goes back to the head after the step
             budget -= plan.prefills[-1].n
