@@ -211,7 +211,9 @@ def test_local_cluster_flips_and_moves_decodes_with_identical_tokens(tmp_path):
     # the long one then moves its KV to instance 2.
     gs = ArrowRouter(LinearCost(), ArrowConfig(num_prefill=1, period=1e6, chunk_size=64))
     pol = Policy("arrow", gs, [Role.MIXED] * 3, {Role.MIXED: BatchConfig(max_num_batched_tokens=64)})
-    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(dtype="float32", kv_cache_tokens=1024))
+    now = [0.0]  # a virtual clock, 10 ms a step: the decisions must not depend on how busy the machine is
+    c = LocalCluster(model, ckpt.tokenizer, pol, EngineConfig(dtype="float32", kv_cache_tokens=1024),
+                     clock=lambda: now[0])
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[(7 * k) % 250 + 3 for k in range(200)], [(5 * k + 1) % 250 + 3 for k in range(40)]]
     ref = LLMEngine(model, ckpt.tokenizer, EngineConfig(dtype="float32", kv_cache_tokens=1024)).generate(prompts, params)
@@ -222,6 +224,7 @@ def test_local_cluster_flips_and_moves_decodes_with_identical_tokens(tmp_path):
     while c.has_unfinished():
         for o in c.step():
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        now[0] += 0.01
     assert [got[f"r{i}"] for i in range(2)] == [r.new_token_ids for r in ref]
     assert [(i, a, b) for _, i, a, b in gs.pools.moves] == [(1, Pool.D, Pool.P), (1, Pool.P, Pool.D)]
     assert c.migrations == 1  # only the long prompt's KV moved (to instance 2)

@@ -177,6 +177,21 @@ def test_server_preempts_a_long_prefill_for_a_tight_slo_request_and_exports_bloc
     model, tok = load(embedded_model_path())
     cluster = cluster_for(model, tok)
     client = AsyncLLMEngine(cluster)
+    # No wall-clock race: the short request is sent once the long prefill is running, and the
+    # long prefill waits at its first operator boundary until the server has queued the short
+    # one, so a busy machine cannot finish the prefill before the arrival (nor start it after).
+    hand_over = cluster.boundary_hook  # the async engine's: hands arrivals to the scheduler
+    long_running, held = threading.Event(), []
+
+    def hold_once() -> None:
+        long_running.set()
+        deadline = time.monotonic() + 60
+        while not held and client.stats().num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        held.append(True)
+        hand_over()
+
+    cluster.boundary_hook = hold_once
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(build_app(client), log_level="warning", lifespan="off"))
@@ -188,8 +203,9 @@ def test_server_preempts_a_long_prefill_for_a_tight_slo_request_and_exports_bloc
     long_text = "Summarise the history of computing. " * 130
     done: dict[str, float] = {}
 
-    async def one(name: str, prompt: str, ttft: float, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def one(name: str, prompt: str, ttft: float, after: threading.Event | None) -> None:
+        if after is not None:
+            assert await asyncio.to_thread(after.wait, 60)
         async with httpx.AsyncClient(timeout=120) as c:
             r = await c.post(url + "/v1/completions", json={
                 "model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ttft_slo": ttft})
@@ -197,7 +213,7 @@ def test_server_preempts_a_long_prefill_for_a_tight_slo_request_and_exports_bloc
         done[name] = time.monotonic()
 
     async def main() -> None:
-        await asyncio.gather(one("long", long_text, 60.0, 0.0), one("short", "Hi there!", 2.0, 0.4))
+        await asyncio.gather(one("long", long_text, 60.0, None), one("short", "Hi there!", 2.0, long_running))
 
     try:
         asyncio.run(main())
