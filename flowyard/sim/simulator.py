@@ -19,7 +19,6 @@ stepping one token at a time.
 
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import time
@@ -31,6 +30,7 @@ import numpy as np
 from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.cluster.index import RankedInstances, Score, Touched
 from flowyard.cluster.timeline import Timeline
+from flowyard.cluster.turns import Turns
 from flowyard.core.events import EventKind
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
@@ -100,9 +100,15 @@ class Simulator:
         # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
         self.shared_device = shared_device
         self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
-        self._device_queue: collections.deque[SimInstance] = collections.deque()  # waiting for it
         self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
                           for i in range(len(policy.roles))]
+        # who steps next on each device, and when idle instances wake (`flowyard.cluster.turns`):
+        # one queue for a shared device, else one per instance; a new place in a queue is a
+        # SCHEDULE event (after every other event of this instant, as an engine drains its
+        # input queue before a step), a new wake-up time a TIMER event
+        shared = Turns(self._queued, self._wake_at) if shared_device else None
+        for inst in self.instances:
+            inst.turns = shared or Turns(self._queued, self._wake_at)
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
@@ -191,9 +197,11 @@ class Simulator:
         states = [RequestState(r) for r in self.requests]
         first = self.arrivals.initial(states)
         self._send(first)
-        period = self.policy.global_scheduler.period
-        if first and period is not None:  # the global scheduler's periodic controllers, monitors
-            self._push(min(t for t, _ in first) + period, TIMER, None)
+        ticks = self.core.ticks  # the global scheduler's periodic controllers, monitors
+        if first:
+            ticks.start(min(t for t, _ in first))
+            if ticks.next is not None:
+                self._push(ticks.next, TIMER, None)
         events = 0
         heap = self._heap
         while heap:
@@ -205,11 +213,7 @@ class Simulator:
                 if version == inst.version:
                     self._complete(inst, len(inst.ends))
             elif kind == SCHEDULE:
-                if self.shared_device:
-                    self._queue_for_device(payload)  # type: ignore[arg-type]
-                else:
-                    payload.wake_pending = False  # type: ignore[attr-defined]
-                    self._start_step(payload)  # type: ignore[arg-type]
+                self._take_turns(payload)  # type: ignore[arg-type]
             elif kind == ARRIVAL:
                 self._send(self.arrivals.on_arrival(payload, t))  # type: ignore[arg-type]
                 self._arrive(payload)  # type: ignore[arg-type]
@@ -315,7 +319,7 @@ class Simulator:
         if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
             k, inst.suspend_at = inst.suspend_at, -1
             inst.sched.suspend(plan, k, self.now)
-            self._kick(inst)
+            inst.turns.stepped(inst.id, True)
             return
         self.steps += steps
         inst.account(steps)
@@ -330,7 +334,7 @@ class Simulator:
             self._ended(st)
         self.core.stepped(inst.id, result, self.now)
         self._start_transfers(inst)
-        self._kick(inst)
+        inst.turns.stepped(inst.id, True)  # to the back of its device's queue
 
     def _start_transfers(self, dst: SimInstance) -> None:
         self._changed(dst)
@@ -380,49 +384,49 @@ class Simulator:
         return True
 
     def _kick(self, inst: SimInstance) -> None:
-        """Something reached `inst`: if idle, it schedules once every event of this instant has
-        been applied (as an engine drains its input queue before a step); if in a multi-step
-        run, the run is cut short."""
-        if self._interrupt(inst) or inst.wake_pending:
-            return
-        inst.wake_pending = True
-        self._push(self.now, SCHEDULE, inst)
+        """Something reached `inst`: a multi-step run in flight is cut short; an idle instance
+        queues for its device (`Turns.kick`)."""
+        if not self._interrupt(inst):
+            inst.turns.kick(inst.id)
+
+    def _queued(self, i: int) -> None:
+        self._push(self.now, SCHEDULE, self.instances[i])
+
+    def _wake_at(self, i: int, t: float) -> None:
+        self._push(t, TIMER, self.instances[i])
 
     def _timer(self, inst: SimInstance | None, total: int) -> None:
         """A local scheduler's wake-up time (a batching window closing), or, for None, the
         global scheduler's periodic tick, which goes on while requests remain."""
         if inst is None:
-            self.core.tick(self.now)
-            period = self.policy.global_scheduler.period
-            if self._done < total and period is not None:
-                self._push(self.now + period, TIMER, None)
-        elif inst.timer_at is not None and inst.timer_at <= self.now:
-            inst.timer_at = None
+            ticks = self.core.ticks
+            self.core.tick_due(self.now)  # due exactly now: timer events keep the grid
+            if self._done < total and ticks.next is not None:
+                self._push(ticks.next, TIMER, None)
+            else:
+                ticks.end()
+        elif inst.turns.due(inst.id, self.now):
             self._kick(inst)
 
-    def _queue_for_device(self, inst: SimInstance) -> None:
-        """shared_device: instances take the device first come, first served (in the order
-        they were kicked; one that just ran a step is kicked at its end, so it goes to the
-        back), and whenever it is free the head of the queue plans its step. An engine loop
-        that steps several engines in one thread (`LocalCluster`) does exactly this."""
-        if inst not in self._device_queue:
-            self._device_queue.append(inst)
-        queue = self._device_queue
-        while queue and self._device_free <= self.now:
-            head = queue.popleft()
-            head.wake_pending = False
-            self._start_step(head)
+    def _take_turns(self, inst: SimInstance) -> None:
+        """A SCHEDULE event of `inst`: with its own device it plans its step now; on a
+        shared device the queue's head plans its step whenever the device is free (first
+        come, first served, as `LocalCluster` steps its engines on one thread)."""
+        turns = inst.turns
+        if not self.shared_device:
+            turns.pop()
+            self._start_step(inst)
+            return
+        while turns.ready and self._device_free <= self.now:
+            self._start_step(self.instances[turns.ready.popleft()])
 
     def _start_step(self, inst: SimInstance) -> None:
         if inst.plan is not None:
             return
         plan = inst.sched.schedule(self.now)
         self._changed(inst)
-        if plan is None:
-            wake = inst.sched.wake_at(self.now)
-            if wake is not None and wake > self.now and (inst.timer_at is None or wake < inst.timer_at):
-                inst.timer_at = wake
-                self._push(wake, TIMER, inst)
+        if plan is None:  # nothing to run: wait for an event or the scheduler's wake-up time
+            inst.turns.stepped(inst.id, False, inst.sched.wake_at(self.now), self.now)
             return
         k = plan.max_repeats
         if k > 1:  # the simulator knows when each request stops: end the run at the first
