@@ -168,12 +168,12 @@ class ClusterCore:
         self.catch_up(now)
         for st in result.finished:
             gs.on_finished(st, now)
-        moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
-        for st, dst in moves:
-            if dst is None:
+        planned = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
+        for st, to in planned:
+            if to is None:
                 self.transport.fail(instance, st, "every instance that could continue this request is down "
                                                   "(restarting); retry")
-        moves = [(st, dst) for st, dst in moves if dst is not None]
+        moves = [(st, to) for st, to in planned if to is not None]
         if gs.routes_decode:
             for st in result.prefilled:
                 dst = gs.route_decode(st, instance, self, now)
@@ -194,15 +194,14 @@ class ClusterCore:
         """Where a handed-off request continues: its micro-request plan, else the decode router
         (None: the policy has decode instances and none of them is up)."""
         if st.split_to is not None:
-            dst, st.split_to = st.split_to, None
+            planned, st.split_to = st.split_to, None
         elif self._decode_role and not self.transport.instance_ids(Role.DECODE):
             return None
         else:
-            dst = self.gs.route_decode(st, src, self, now)
-        if not self._is_live(dst):
-            dst = self._live_substitute(st, dst, now, src=src)
-            if dst is None:
-                return None
+            planned = self.gs.route_decode(st, src, self, now)
+        dst = planned if self._is_live(planned) else self._live_substitute(st, planned, now, src=src)
+        if dst is None:
+            return None
         if self.log is not None:
             self.log.add(now, "handoff", st.id, src=src, dst=dst)
         return dst

@@ -9,7 +9,7 @@ import numpy as np
 from flowyard.cluster.turns import Turns
 from flowyard.core.plan import BatchShape, StepPlan
 from flowyard.core.request import RequestState, Status
-from flowyard.policies.framework.contracts import LocalScheduler
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler
 
 
 class SimInstance:
@@ -34,7 +34,7 @@ class SimInstance:
         self.shape_done = 0  # its steps already counted in `work`
         self.kv_since, self.kv_used = 0.0, 0  # KV blocks held since then (for work.kv_block_s)
         self.started = 0.0  # when the run in flight (or its uncommitted rest) started, for timelines
-        self.snap = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
+        self.snap: InstanceSnapshot | None = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
         # the first step end of a multi-step run in flight (inf: none): a snapshot taken later
         # must commit the steps done by then (a float, so the check costs no numpy scalar)
         self.sync_after = float("inf")
