@@ -54,7 +54,8 @@ def test_ticks_keep_a_grid_from_the_first_arrival():
     assert ticks.due(2.1, before=True) and ticks.next == 2.5
     assert ticks.due(4.2) and ticks.next == 4.5  # slept through several: one tick, same grid
     ticks.end()
-    assert ticks.next is None and ticks.delay(5.0) is None
+    ticks.start(6.0)  # the workload is over: no new grid
+    assert ticks.next is None and ticks.delay(5.0) is None and not ticks.due(100.0)
     assert Ticks(None).delay(0.0) is None
     with pytest.raises(ValueError, match="period"):
         Ticks(0.0)

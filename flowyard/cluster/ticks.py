@@ -50,8 +50,8 @@ class Ticks:
         return True
 
     def end(self) -> None:
-        """No more ticks (the simulated workload is over)."""
-        self.next = None
+        """No more ticks (the simulated workload is over); a later arrival starts none."""
+        self.next = self.period = None
 
     def delay(self, now: float) -> float | None:
         """Seconds until the next tick is due (a serving loop sleeps no longer), or None."""
