@@ -165,10 +165,10 @@ class Driver:
 
     def __init__(self, cluster, jobs: list[Job], clock: VirtualClock, cost) -> None:
         self.cluster, self.jobs, self.clock, self.cost = cluster, jobs, clock, cost
-        self.period = cluster.policy.global_scheduler.period
-        cluster.ticker.period = None  # this driver delivers ticks on the simulator's schedule
+        # the cluster core's tick grid (`flowyard.cluster.ticks`), which the simulator keeps
+        # too: this driver delivers each tick at its own time, inside steps as well
+        self.ticks = cluster.core.ticks
         self.pending = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival, i))
-        self.tick = jobs[self.pending[0]].arrival + self.period if self.period else None
         self.done = 0
         self.tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(jobs))}
 
@@ -187,8 +187,8 @@ class Driver:
         w = self.cluster.next_wake()
         if w is not None and w < until:
             cands.append((w, 4, "wake"))
-        if self.tick is not None and self.tick < until:
-            cands.append((self.tick, 4, "tick"))
+        if self.ticks.next is not None and self.ticks.next < until:
+            cands.append((self.ticks.next, 4, "tick"))
         return min(cands) if cands else None
 
     def deliver(self, until: float, arrivals_inclusive: bool = True) -> None:
@@ -204,8 +204,9 @@ class Driver:
             elif what == "wake":
                 cluster.wake_due(t)
             else:
-                cluster.core.tick(t)
-                self.tick = t + self.period if self.done < len(self.jobs) else None
+                assert cluster.core.tick_due(t)
+                if self.done >= len(self.jobs):  # the simulator's last tick
+                    self.ticks.end()
 
     def pause(self, p: StepPause) -> None:
         """A step stopped (its forward pass done, or at an operator boundary): what happens
@@ -229,6 +230,6 @@ class Driver:
                     break
                 continue
             self.deliver(np.nextafter(ev[0], np.inf))  # everything at that instant
-        if self.tick is not None:  # the simulator fires the tick it already had scheduled
-            self.deliver(np.nextafter(self.tick, np.inf))
+        if self.ticks.next is not None:  # the simulator fires the tick it already had scheduled
+            self.deliver(np.nextafter(self.ticks.next, np.inf))
         return cluster.decisions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers_models import tiny_model
+from flowyard.cluster.core import DecisionLog
 from flowyard.engine.engine_config import EngineConfig
 from flowyard.engine.llm_engine import LLMEngine
 from flowyard.engine.sampling import SamplingParams
@@ -34,6 +35,16 @@ def run(cluster_or_engine, prompts=PROMPTS, params=GREEDY):
                 done.add(o.request_id)
     assert done == set(got)
     return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+class Clock:
+    """A virtual clock (tests never depend on the wall clock)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def reference(tiny):
@@ -114,22 +125,44 @@ def test_migrate_at_any_token_keeps_the_tokens(tiny, where):
         assert not e.kv.leaked()
 
 
-def test_global_scheduler_ticks_on_real_instances(tiny):
-    """`GlobalScheduler.tick` (pool controllers, monitors) runs on a LocalCluster as in the
-    simulator: every period while work remains, never when idle (bug: it never ran there)."""
+def test_global_scheduler_ticks_on_real_instances_on_the_simulators_grid(tiny):
+    """`GlobalScheduler.tick` (pool controllers, monitors) runs on a LocalCluster on the
+    simulator's grid (`flowyard.cluster.ticks`): every period from the first arrival, idle or
+    not; a tick the loop slept through runs before the next arrival is routed, once (bug: it
+    never ran there; then it stopped when idle, and Arrow ticked itself from dispatches)."""
     model, tok = tiny
     pol = build_policy("round-robin", PolicyOptions(num_instances=2))
     gs = pol.global_scheduler
-    ticks: list[tuple[float, int]] = []
-    gs.period = 0.002
-    gs.tick = lambda view, now: ticks.append((now, sum(view.snapshot(i).num_running for i in view.instances())))
-    cluster = LocalCluster(model, tok, pol, EngineConfig(dtype="float32", kv_cache_tokens=2048))
-    assert cluster.wake_delay() is None
-    assert run(cluster) == reference(tiny)
-    assert len(ticks) >= 2 and all(b[0] - a[0] >= 0.002 for a, b in zip(ticks, ticks[1:]))
+    events: list[tuple[str, float]] = []
+    gs.period = 0.5
+    gs.tick = lambda view, now: events.append(("tick", now))
+    clock = Clock()
+    log = DecisionLog()
+    cluster = LocalCluster(model, tok, pol, EngineConfig(dtype="float32", kv_cache_tokens=2048), clock=clock,
+                           decisions=log)
+    assert cluster.wake_delay() is None and cluster.poll() == []  # no grid before the first request
+    clock.t = 1.0
+    cluster.add_request("a", PROMPTS[0], GREEDY, arrival=1.0)
+    assert cluster.wake_delay() == 0.0  # engine queued
+    while cluster.has_unfinished():
+        clock.t += 0.1
+        cluster.step()
+    steps_end = clock.t
+    ticks = [t for _, t in events]
+    cells = [int((t - 1.0 + 1e-9) // 0.5) for t in ticks]  # the grid point each tick is for
+    assert ticks and cells[0] == 1 and cells == sorted(set(cells))  # one per grid point, from 1.5
+    assert all(t - (1.0 + 0.5 * k) < 0.1 + 1e-9 for t, k in zip(ticks, cells))  # within a loop turn
     n = len(ticks)
-    cluster.step()  # idle: no tick
-    assert len(ticks) == n and cluster.wake_delay() is None
+    clock.t = steps_end + 0.7  # idle: the serving loop polls, and the grid goes on
+    assert cluster.wake_delay() is not None
+    cluster.poll()
+    assert len(events) == n + 1
+    before = events[-1][1]
+    clock.t = before + 3.2  # slept through six grid points: one tick, then the request's route
+    cluster.add_request("b", PROMPTS[1], GREEDY, arrival=clock.t)
+    assert len(events) == n + 2 and events[-1] == ("tick", clock.t)
+    assert cluster.core.ticks.next is not None and cluster.core.ticks.next > clock.t
+    assert [d.kind for d in log.decisions][-1] == "route"
 
 
 def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp_path):

@@ -6,7 +6,7 @@ scheduler queues it. After each executed step an instance reports a `StepResult`
 tells the global scheduler which requests finished, picks where each hand-off continues (its
 micro-request plan, else the decode router) and where each prefill that just ended decodes
 (stateless instances), and starts those moves. Periodic ticks run the global scheduler's
-controllers. Every decision goes to an optional `DecisionLog`, which is how the two-executor
+controllers, on one grid for every executor (`flowyard.cluster.ticks`). Every decision goes to an optional `DecisionLog`, which is how the two-executor
 guard compares a simulated run with a real one.
 
 What differs between executors is only a clock (passed in as `now`) and a `Transport`: where
@@ -21,6 +21,7 @@ import collections
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from flowyard.cluster.ticks import Ticks
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import GlobalScheduler, InstanceSnapshot, Role, StepResult
 
@@ -112,6 +113,7 @@ class ClusterCore:
         self._moves_seen = 0  # pool moves of the global scheduler already logged as flips
         # a transport that answers "is i live" without listing its instances (no scan per arrival)
         self._live = getattr(transport, "is_live", None)
+        self.ticks = Ticks(self.gs.period)  # when the periodic ticks are due (`flowyard.cluster.ticks`)
 
     # -- ClusterView --------------------------------------------------------------------------
     def instances(self, role: Role | None = None) -> Sequence[int]:
@@ -125,6 +127,8 @@ class ClusterCore:
         """Route a new request, split it if the policy says so, and queue it. Returns the
         instance, or None when it was rejected (st.reject_reason says why)."""
         gs, log = self.gs, self.log
+        self.ticks.start(st.req.arrival)
+        self.catch_up(now)
         if not any(self.policy.roles[i] is not Role.DECODE for i in self.transport.instance_ids()):
             st.reject_reason = "no live instance can take a new request (one is restarting); retry"
             if log is not None:
@@ -161,14 +165,15 @@ class ClusterCore:
         that just ended decodes where the global scheduler says. All destinations are chosen
         before any move starts (each sees the cluster as the step left it). Returns the moves."""
         gs, log = self.gs, self.log
+        self.catch_up(now)
         for st in result.finished:
             gs.on_finished(st, now)
-        moves = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
-        for st, dst in moves:
-            if dst is None:
+        planned = [(st, self._continue_at(st, instance, now)) for st in result.handoffs]
+        for st, to in planned:
+            if to is None:
                 self.transport.fail(instance, st, "every instance that could continue this request is down "
                                                   "(restarting); retry")
-        moves = [(st, dst) for st, dst in moves if dst is not None]
+        moves = [(st, to) for st, to in planned if to is not None]
         if gs.routes_decode:
             for st in result.prefilled:
                 dst = gs.route_decode(st, instance, self, now)
@@ -189,15 +194,14 @@ class ClusterCore:
         """Where a handed-off request continues: its micro-request plan, else the decode router
         (None: the policy has decode instances and none of them is up)."""
         if st.split_to is not None:
-            dst, st.split_to = st.split_to, None
+            planned, st.split_to = st.split_to, None
         elif self._decode_role and not self.transport.instance_ids(Role.DECODE):
             return None
         else:
-            dst = self.gs.route_decode(st, src, self, now)
-        if not self._is_live(dst):
-            dst = self._live_substitute(st, dst, now, src=src)
-            if dst is None:
-                return None
+            planned = self.gs.route_decode(st, src, self, now)
+        dst = planned if self._is_live(planned) else self._live_substitute(st, planned, now, src=src)
+        if dst is None:
+            return None
         if self.log is not None:
             self.log.add(now, "handoff", st.id, src=src, dst=dst)
         return dst
@@ -249,6 +253,20 @@ class ClusterCore:
         self.gs.tick(self, now)
         self._log_flips()
 
+    def tick_due(self, now: float) -> bool:
+        """Run the periodic tick if one is due at `now` (an executor asks whenever its clock
+        may have passed one); returns whether it ran."""
+        if self.ticks.due(now):
+            self.tick(now)
+            return True
+        return False
+
+    def catch_up(self, now: float) -> None:
+        """A tick due strictly before `now` runs before the core acts on an event at now, as
+        an executor that delivers every tick at its time would have run it."""
+        if self.ticks.next is not None and self.ticks.due(now, before=True):
+            self.tick(now)
+
     def refused(self, instance: int, st: RequestState, reason: str, now: float) -> None:
         """An instance refused a request after `arrive` had queued it there (an executor
         that hears of it later, such as a Ray actor, reports it here): logged as `arrive`
@@ -269,28 +287,3 @@ class ClusterCore:
             self.log.add(t, "flip", -1, src=inst, dst=inst, detail=f"{frm}->{to}")
         self._moves_seen = len(moves)
 
-
-class Ticker:
-    """When the global scheduler's next periodic tick is due on a real clock: every `period`
-    seconds from the first step with work, for as long as there is work (the simulator keeps
-    the same schedule with timer events)."""
-
-    def __init__(self, period: float | None) -> None:
-        self.period = period
-        self.next: float | None = None
-
-    def due(self, now: float, busy: bool) -> bool:
-        if self.period is None or not busy:
-            self.next = None
-            return False
-        if self.next is None:
-            self.next = now + self.period
-            return False
-        if now >= self.next:
-            self.next = now + self.period
-            return True
-        return False
-
-    def delay(self, now: float) -> float | None:
-        """Seconds until the next tick is due (a serving loop sleeps no longer), or None."""
-        return None if self.next is None else max(0.0, self.next - now)

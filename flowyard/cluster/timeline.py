@@ -105,11 +105,11 @@ class Timeline:
         for rid, src, dst, start, end in self.transfers:
             ev.append({"ph": "X", "cat": "kv", "name": f"KV of {rid} from {src}", "pid": dst, "tid": KV_TID,
                        "ts": start * us, "dur": max(0.0, end - start) * us, "args": {"request": rid, "src": src}})
-        for rid, inst, arrival, first, end, status in self.spans:
+        for rid, held_on, arrival, first, ended, status in self.spans:
             base = {"pid": REQUESTS_PID, "tid": rid, "cat": "request"}
-            stop = end if end is not None else (first if first is not None else arrival)
+            stop = ended if ended is not None else (first if first is not None else arrival)
             ev.append({**base, "ph": "X", "name": f"request {rid}", "ts": arrival * us,
-                       "dur": max(0.0, stop - arrival) * us, "args": {"instance": inst, "status": status}})
+                       "dur": max(0.0, stop - arrival) * us, "args": {"instance": held_on, "status": status}})
             if first is not None:
                 ev.append({**base, "ph": "X", "name": "waiting for first token", "ts": arrival * us,
                            "dur": max(0.0, first - arrival) * us})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from flowyard.cluster.core import ClusterCore, DecisionLog, Ticker
+from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import InstanceSnapshot
@@ -67,7 +67,6 @@ class ClusterBase:
             decisions = decisions or timeline.log
             timeline.roles.update({i: r.value for i, r in enumerate(policy.roles)})
         self.core = ClusterCore(policy, self, decisions)  # type: ignore[arg-type]
-        self.ticker = Ticker(policy.global_scheduler.period)
         self.sessions = Sessions()
         self._where = {}
         # the last KV transfers, (time, request, src, dst, seconds): the live page shows them
@@ -78,16 +77,19 @@ class ClusterBase:
         self.transfers.append((t, request, src, dst, seconds))
         self.transfers_total += 1
 
-    def _periodic(self, busy: bool) -> None:
-        """The global scheduler's periodic work (pool controllers, instance monitors), on the
-        schedule the simulator keeps: every `period` seconds from the first step with work,
-        for as long as there is work."""
-        now = self.now()
-        if self.ticker.due(now, busy):
-            self.core.tick(now)
+    def _periodic(self) -> None:
+        """The global scheduler's periodic work (pool controllers, instance monitors), if due:
+        the simulator's grid, every `period` seconds from the first arrival, idle or not
+        (`flowyard.cluster.ticks`)."""
+        self.core.tick_due(self.now())
 
     def _tick_delay(self) -> float | None:
-        return self.ticker.delay(self.now())
+        return self.core.ticks.delay(self.now())
+
+    def poll(self) -> list:
+        """What a serving loop calls while nothing runs: the periodic ticks go on."""
+        self._periodic()
+        return []
 
     def _finished(self, results) -> None:
         for st in results:

@@ -137,12 +137,12 @@ class LocalCluster(ClusterBase):
 
     def wake_delay(self) -> float | None:
         """Seconds until `step` has something to do: 0 while an engine is queued, else the
-        next wake-up time or periodic tick, None if only an event can help."""
+        next wake-up time or periodic tick (due idle or not), None if only an event can help."""
         if self.turns.ready:
             return 0.0
         now = self.now()
         delays = self.turns.delays(now)
-        if (tick := self._tick_delay()) is not None and self.has_unfinished():
+        if (tick := self._tick_delay()) is not None:
             delays.append(tick)
         return min(delays) if delays else None
 
@@ -215,14 +215,13 @@ class LocalCluster(ClusterBase):
         passed over), then the cluster core's hand-offs, decode routing and moves for what
         that step produced."""
         outputs, self._failed = self._failed, []
-        self._periodic(self.has_unfinished())
+        self._periodic()
         self.wake_due(self.now())
         turns = self.turns
         for e in self.engines:  # a safety net: work that reached an engine some other way
-            if not e.idle and e.instance not in turns.ready:
-                turns.ready.append(e.instance)
-        while turns.ready:
-            i = turns.ready.popleft()
+            if not e.idle:
+                turns.kick(e.instance)
+        while (i := turns.pop()) is not None:
             engine = self.engines[i]
             turns.running = i
             start, preempted = self.now(), engine.pool.stats.count
@@ -234,12 +233,12 @@ class LocalCluster(ClusterBase):
                 self.timeline.step(i, start, self.now(), engine.last_plan,
                                    preempted=engine.pool.stats.count > preempted)
 
-            if engine.idle and not engine.results:  # found nothing to run: wait for an event
-                turns.wait(i, engine.wake_time)  # ... or its wake-up time
-                if not outs:
-                    continue
-            else:
-                self._kick(i)  # to the back, before whatever its step sends elsewhere
+            ran = not engine.idle or bool(engine.results)
+            # ran: to the back, before whatever its step sends elsewhere; else wait for an
+            # event or its wake-up time
+            turns.stepped(i, ran, engine.wake_time, self.now())
+            if not ran and not outs:
+                continue
             outputs += outs
             for out in outs:
                 if out.finished:

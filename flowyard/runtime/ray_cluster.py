@@ -277,7 +277,7 @@ class RayCluster(RayReports, RayLockstep, RayFaults):
         self._check_deaths()
         if self.lockstep:
             return self._lockstep_step()
-        self._periodic(self.has_unfinished())
+        self._periodic()
         outputs, self._failed = self._failed, []
         now = self.now()
         for i, busy in enumerate(self._busy):

@@ -88,9 +88,10 @@ class RayFaults(RayState):
         return []
 
     def poll(self) -> list[RequestOutput]:
-        """Look after the instances while nothing else runs: notice deaths and rejoins."""
+        """Look after the instances while nothing else runs: notice deaths and rejoins, tick."""
         self._check_deaths()
         self._check_restarts()
+        self._periodic()  # the periodic ticks go on while idle (`flowyard.cluster.ticks`)
         outputs, self._failed = self._failed, []
         return outputs
 

@@ -75,14 +75,13 @@ class RayLockstep(RayState):
         """One actor step, from the head of the queue (actors that find nothing to run are
         passed over), then the cluster core's hand-offs and moves for what it produced."""
         outputs, self._failed = self._failed, []
-        self._periodic(self.has_unfinished())
+        self._periodic()
         turns = self.turns
         turns.wake_due(self.now())
-        for i in self.instance_ids():  # a safety net, as LocalCluster's
-            if self._busy[i] and not self._idle[i] and i not in turns.ready:
-                turns.ready.append(i)
-        while turns.ready:
-            i = turns.ready.popleft()
+        for j in self.instance_ids():  # a safety net, as LocalCluster's
+            if self._busy[j] and not self._idle[j]:
+                turns.kick(j)
+        while (i := turns.pop()) is not None:
             turns.running = i
             try:
                 report = self._lockstep_run(i)
@@ -91,13 +90,12 @@ class RayLockstep(RayState):
                 continue
             finally:
                 turns.running = None
-            if report.idle:  # found nothing to run: wait for an event or the wake-up time
-                turns.wait(i, report.wake)
-                if not report.outputs:
-                    self._snaps[i], self._busy[i] = report.snapshot, report.busy
-                    continue
-            else:
-                turns.kick(i)  # to the back, before whatever its step sends elsewhere
+            # ran: to the back, before whatever its step sends elsewhere; else wait for an
+            # event or the wake-up time
+            turns.stepped(i, not report.idle, report.wake, self.now())
+            if report.idle and not report.outputs:
+                self._snaps[i], self._busy[i] = report.snapshot, report.busy
+                continue
             outputs += self._apply(i, report)
             self._lockstep_admit(i)
             break

@@ -6,16 +6,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowyard.cluster.turns import Turns
 from flowyard.core.plan import BatchShape, StepPlan
 from flowyard.core.request import RequestState, Status
-from flowyard.policies.framework.contracts import LocalScheduler
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler
 
 
 class SimInstance:
     """One simulated serving instance: a local scheduler plus the step it is running."""
 
-    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "wake_pending", "bounds",
-                 "suspend_at", "timer_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started",
+    __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "turns", "bounds",
+                 "suspend_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started",
                  "snap", "sync_after")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
@@ -25,16 +26,15 @@ class SimInstance:
         self.ends: np.ndarray = np.empty(0)
         self.version = 0
         self.busy_s = 0.0
-        self.wake_pending = False
+        self.turns: Turns  # its device's queue and wake-up times (set by the simulator)
         self.bounds: np.ndarray | None = None  # operator end times of a preemptible plan
         self.suspend_at = -1  # operators done when a requested preemption takes effect
-        self.timer_at: float | None = None  # when the scheduler asked to be woken (wake_at)
         self.work = InstanceWork(kv_blocks=sched.kv.num_blocks)
         self.shape: BatchShape | None = None  # of the run in flight, for `work`
         self.shape_done = 0  # its steps already counted in `work`
         self.kv_since, self.kv_used = 0.0, 0  # KV blocks held since then (for work.kv_block_s)
         self.started = 0.0  # when the run in flight (or its uncommitted rest) started, for timelines
-        self.snap = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
+        self.snap: InstanceSnapshot | None = None  # the scheduler's snapshot while nothing changed it (None: take a new one)
         # the first step end of a multi-step run in flight (inf: none): a snapshot taken later
         # must commit the steps done by then (a float, so the check costs no numpy scalar)
         self.sync_after = float("inf")

@@ -1,59 +1,53 @@
 """Discrete-event cluster simulator: the virtual-clock executor of the shared policies.
 
 Events live in one heap ordered by (time, kind, sequence number): at equal times arrivals come
-first, then step ends, then KV landings, each kind in insertion order, so a run is
-deterministic. Events: a request arrives (from an `ArrivalSource`, `flowyard/sim/arrivals.py`:
-trace replay or closed-loop clients; its arrival is its send time, and the event fires the
-cost model's frontend latency later, when it reaches the scheduler); an
-instance finishes the step(s) it was running; a KV transfer lands. Step times: the cost model.
+first, then step ends, then KV landings, timers, and last the SCHEDULE events of instances
+that queued for their device, each kind in insertion order, so a run is deterministic. Events:
+a request arrives (from an `ArrivalSource`, `flowyard/sim/arrivals.py`: trace replay or
+closed-loop clients; its arrival is its send time, and the event fires the cost model's
+frontend latency later, when it reaches the scheduler); an instance finishes the step(s) it
+was running; a KV transfer lands; a timer fires (a batching window closing, or the global
+scheduler's periodic tick on the grid of `flowyard.cluster.ticks`).
 
-KV transfer times, whole or pushed chunk by chunk for micro-requests: `kv_push.py`.
-
-Speed comes from one exact shortcut. When a local scheduler promises a decode-only run
-(`StepPlan.max_repeats`), the simulator prices all of its steps in one vectorised cost-model
-call and sleeps until the first request finishes. Any event that reaches the instance before
-then cuts the run at the end of the step in flight, which is exactly when a step-by-step
-executor would have let the scheduler see that event. Results therefore equal those of
-stepping one token at a time.
+What every executor shares is not here: routing, splits, hand-offs, decode routing and ticks
+are the cluster core's (`flowyard.cluster.core`), and which instance steps next and when an
+idle one wakes are `flowyard.cluster.turns`'s. This module is the virtual clock and the
+per-instance driver around each step; the simulator's transport (what the core reads and how
+KV moves) is `transport.py`, its step execution (priced by the cost model, with exact
+multi-step decode runs and operator-level preemption) `steps.py`, KV transfer times `kv_push.py`.
 """
 
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import time
 from dataclasses import replace
-from typing import Callable, Sequence
-
-import numpy as np
+from typing import Callable, Sequence, cast
 
 from flowyard.cluster.core import ClusterCore, DecisionLog
-from flowyard.cluster.index import RankedInstances, Score, Touched
+from flowyard.cluster.index import Touched
 from flowyard.cluster.timeline import Timeline
-from flowyard.core.events import EventKind
+from flowyard.cluster.turns import Turns
 from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role
 from flowyard.policies.framework.policy import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
+from flowyard.sim.base import ARRIVAL, INF, SCHEDULE, STEP, TIMER, SimulationError
 from flowyard.sim.cluster import Topology
 from flowyard.sim.instance import SimInstance, SimResult
 from flowyard.sim.kv_push import KVPush
+from flowyard.sim.steps import StepExecution
+from flowyard.sim.transport import SimTransport
 
-ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
-SCHEDULE, TIMER = int(EventKind.SCHEDULE), int(EventKind.TIMER)
-INF = float("inf")
-
-
-class SimulationError(RuntimeError):
-    """A run ended with a request neither finished nor rejected, or with KV still held."""
+__all__ = ["SimResult", "SimulationError", "Simulator"]
 
 
-class Simulator:
+class Simulator(SimTransport, StepExecution):
     """Replays requests through a `Policy` on `num_instances` simulated instances."""
 
     def __init__(
@@ -80,7 +74,7 @@ class Simulator:
         self.cost = cost_model
         # A request reaches the scheduler this long after its client sent it (its arrival):
         # the emulated stack's frontend, which the client's TTFT includes.
-        self.frontend = cost_model.frontend_latency()
+        self.frontend = cast(float, cost_model.frontend_latency())  # a scalar (Seconds may be an array)
         self.topology = topology
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing
@@ -92,17 +86,21 @@ class Simulator:
         # touch (when they expire), so policies scan instead.
         self._touched = Touched(self.snapshot, self.scheduler)
         self._recent = self._touched.recent
-        if snapshot_staleness > 0:
-            self.ranked = None  # type: ignore[assignment]
         num_blocks = max(1, cost_model.kv_capacity_tokens() // block_size)
         kv_cls = PrefixCachingKVManager if prefix_caching else KVCacheManager
         # All instances time-share one device (several engines stepped in turn by one thread,
         # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
         self.shared_device = shared_device
         self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
-        self._device_queue: collections.deque[SimInstance] = collections.deque()  # waiting for it
         self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
                           for i in range(len(policy.roles))]
+        # who steps next on each device, and when idle instances wake (`flowyard.cluster.turns`):
+        # one queue for a shared device, else one per instance; a new place in a queue is a
+        # SCHEDULE event (after every other event of this instant, as an engine drains its
+        # input queue before a step), a new wake-up time a TIMER event
+        shared = Turns(self._queued, self._wake_at) if shared_device else None
+        for inst in self.instances:
+            inst.turns = shared or Turns(self._queued, self._wake_at)
         self._by_role: dict[Role | None, list[int]] = {None: [i.id for i in self.instances]}
         for inst in self.instances:
             self._by_role.setdefault(inst.sched.role, []).append(inst.id)
@@ -122,66 +120,6 @@ class Simulator:
             timeline.roles.update({i.id: i.sched.role.value for i in self.instances})
         self.core = ClusterCore(policy, self, decisions)
 
-    # -- Transport (flowyard.cluster.core) -------------------------------------------------
-    def instance_ids(self, role: Role | None = None) -> list[int]:
-        return self._by_role.get(role, [])
-
-    instances_of = instance_ids
-
-    def is_live(self, instance: int) -> bool:
-        """Simulated instances never fail: every id of the cluster is live."""
-        return 0 <= instance < len(self.instances)
-
-    def ranked(self, name: str, score: Score, ids=tuple) -> RankedInstances:  # type: ignore[no-redef]
-        return self._touched.ranked(name, score, ids)
-
-    def snapshot(self, instance: int) -> InstanceSnapshot:
-        if self.snapshot_staleness > 0:
-            cached = self._snap_cache.get(instance)
-            if cached is not None and self.now - cached[0] < self.snapshot_staleness:
-                return cached[1]
-        inst = self.instances[instance]
-        if inst.sync_after < self.now:
-            self._sync(inst)
-        snap = inst.snap  # the same snapshot while the scheduler has not changed
-        if snap is None:
-            snap = inst.snap = inst.sched.snapshot()
-        if self.snapshot_staleness > 0:
-            self._snap_cache[instance] = (self.now, snap)
-        return snap
-
-    def scheduler(self, instance: int) -> LocalScheduler:
-        """Instance's local scheduler, its decode run committed up to now as `snapshot` does
-        (an index reads `direct` scores off it without building a snapshot)."""
-        inst = self.instances[instance]
-        if inst.sync_after < self.now:
-            self._sync(inst)
-        return inst.sched
-
-    def _changed(self, inst: SimInstance) -> None:
-        """inst's scheduler state changed: its snapshot and its index keys are out of date."""
-        inst.snap = None
-        self._recent.add(inst.id)  # Touched.touch, without the call
-
-    def _sync(self, inst: SimInstance) -> None:
-        """Commit the steps of a decode run that ended before now, so the instance's state is
-        what a step-by-step executor would show at this moment."""
-        ends = inst.ends
-        if inst.plan is None or len(ends) < 2 or ends[0] >= self.now:
-            return
-        done = int(np.searchsorted(ends, self.now, side="left"))
-        if 0 < done < len(ends):
-            if self.on_step is not None:
-                self.on_step(inst.id, inst.plan, done)
-            if self.timeline is not None:
-                self.timeline.step(inst.id, inst.started, float(ends[done - 1]), inst.plan, done)
-                inst.started = float(ends[done - 1])
-            inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
-            self._changed(inst)
-            inst.set_ends(ends[done:])
-            inst.account(done)
-            self.steps += done
-
     # -- event plumbing ------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._seq), payload))
@@ -191,9 +129,11 @@ class Simulator:
         states = [RequestState(r) for r in self.requests]
         first = self.arrivals.initial(states)
         self._send(first)
-        period = self.policy.global_scheduler.period
-        if first and period is not None:  # the global scheduler's periodic controllers, monitors
-            self._push(min(t for t, _ in first) + period, TIMER, None)
+        ticks = self.core.ticks  # the global scheduler's periodic controllers, monitors
+        if first:
+            ticks.start(min(t for t, _ in first))
+            if ticks.next is not None:
+                self._push(ticks.next, TIMER, None)
         events = 0
         heap = self._heap
         while heap:
@@ -201,15 +141,11 @@ class Simulator:
             self.now = t
             events += 1
             if kind == STEP:
-                inst, version = payload  # type: ignore[misc]
+                inst, version = cast("tuple[SimInstance, int]", payload)
                 if version == inst.version:
                     self._complete(inst, len(inst.ends))
             elif kind == SCHEDULE:
-                if self.shared_device:
-                    self._queue_for_device(payload)  # type: ignore[arg-type]
-                else:
-                    payload.wake_pending = False  # type: ignore[attr-defined]
-                    self._start_step(payload)  # type: ignore[arg-type]
+                self._take_turns(payload)  # type: ignore[arg-type]
             elif kind == ARRIVAL:
                 self._send(self.arrivals.on_arrival(payload, t))  # type: ignore[arg-type]
                 self._arrive(payload)  # type: ignore[arg-type]
@@ -249,59 +185,6 @@ class Simulator:
         if self.core.arrive(st, self.now) is None:
             self._ended(st, st.reject_reason or "rejected")
 
-    def add(self, instance: int, st: RequestState, now: float) -> bool:
-        if st.split_to is not None:  # a micro-request: its first segment's KV will be pushed
-            self.kv_push.split(st)
-        inst = self.instances[instance]
-        ok = inst.sched.add_request(st, now)
-        self._changed(inst)
-        if not ok:
-            return False
-        plan = inst.plan
-        if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
-            if inst.sched.preempt_check(now):
-                self._preempt(inst, plan)
-            self._changed(inst)
-        self._kick(inst)
-        return True
-
-    def hand_off(self, instance: int, st: RequestState) -> bool:
-        inst = self.instances[instance]
-        self._changed(inst)
-        return inst.sched.hand_off(st.id) is not None
-
-    def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
-        self.kv_push.handed_off(st)
-        target = self.instances[dst]
-        target.sched.add_migration(st, now)
-        self._changed(target)
-        self._interrupt(target)
-        self._start_transfers(target)
-
-    def fail(self, instance: int, st: RequestState, reason: str) -> None:
-        raise SimulationError(f"request {st.id} on instance {instance}: {reason}")  # no faults here
-
-    def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:
-        """Suspend inst's plan at the first preemption boundary not before now (the rest of the
-        operator in flight is the blocking time); a plan that ends first just completes."""
-        bounds = inst.bounds
-        assert bounds is not None
-        nops = len(bounds) - 1
-        stride = plan.preempt_stride
-        k = max(int(np.searchsorted(bounds[:nops], self.now, side="left")) + 1, plan.ops_done + 1)
-        k = -(-k // stride) * stride
-        if k >= nops:
-            return
-        t = float(bounds[k - 1])
-        inst.busy_s -= float(inst.ends[-1]) - t
-        inst.set_ends(np.array([t]))
-        self._device_free = t
-        inst.suspend_at = k
-        inst.version += 1
-        self.preemption_blocking.append(t - self.now)
-        self.core.preempted(inst.id, self.now, k)
-        self._push(t, STEP, (inst, inst.version))
-
     def _complete(self, inst: SimInstance, steps: int) -> None:
         plan = inst.plan
         assert plan is not None
@@ -315,7 +198,7 @@ class Simulator:
         if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
             k, inst.suspend_at = inst.suspend_at, -1
             inst.sched.suspend(plan, k, self.now)
-            self._kick(inst)
+            inst.turns.stepped(inst.id, True)
             return
         self.steps += steps
         inst.account(steps)
@@ -330,124 +213,44 @@ class Simulator:
             self._ended(st)
         self.core.stepped(inst.id, result, self.now)
         self._start_transfers(inst)
-        self._kick(inst)
-
-    def _start_transfers(self, dst: SimInstance) -> None:
-        self._changed(dst)
-        for st in dst.sched.admit_migrations(self.now):
-            src = st.instance
-            assert src is not None
-            landing = self.kv_push.landing(st, src, dst.id, self.now)
-            if self.timeline is not None:
-                self.timeline.transfer(st.id, src, dst.id, self.now, landing)
-            self._push(landing, KV_DONE, (st, src, dst.id))
-
-    @property
-    def chunked_kv(self) -> bool:
-        return self.kv_push.chunked
-
-    @property
-    def kv_exposed(self) -> list[float]:
-        """Per micro-request hand-off: the KV transfer time computation did not hide."""
-        return self.kv_push.exposed
-
-    def _kv_landed(self, st: RequestState, src: int, dst: int) -> None:
-        source = self.instances[src]
-        source.sched.release(st.id)
-        self._changed(source)
-        self._kick(source)
-        target = self.instances[dst]
-        target.sched.migration_arrived(st, self.now)
-        self._changed(target)
-        self._kick(target)
-
-    def _interrupt(self, inst: SimInstance) -> bool:
-        """An event reached `inst`: if it is in a multi-step run, end that run with the step in
-        flight and hand the unused KV reservation back. Returns whether inst is busy."""
-        if inst.plan is None:
-            return False
-        ends = inst.ends
-        if len(ends) > 1 and ends[-1] > self.now:
-            cut = int(np.searchsorted(ends, self.now, side="left")) + 1
-            if cut < len(ends):
-                inst.busy_s -= float(ends[-1] - ends[cut - 1])
-                inst.set_ends(ends[:cut])
-                self._device_free = float(ends[cut - 1])
-                inst.version += 1
-                inst.sched.shorten(inst.plan, cut)
-                self._changed(inst)
-                self._push(float(inst.ends[-1]), STEP, (inst, inst.version))
-        return True
+        inst.turns.stepped(inst.id, True)  # to the back of its device's queue
 
     def _kick(self, inst: SimInstance) -> None:
-        """Something reached `inst`: if idle, it schedules once every event of this instant has
-        been applied (as an engine drains its input queue before a step); if in a multi-step
-        run, the run is cut short."""
-        if self._interrupt(inst) or inst.wake_pending:
-            return
-        inst.wake_pending = True
-        self._push(self.now, SCHEDULE, inst)
+        """Something reached `inst`: a multi-step run in flight is cut short; an idle instance
+        queues for its device (`Turns.kick`)."""
+        if not self._interrupt(inst):
+            inst.turns.kick(inst.id)
+
+    def _queued(self, i: int) -> None:
+        self._push(self.now, SCHEDULE, self.instances[i])
+
+    def _wake_at(self, i: int, t: float) -> None:
+        self._push(t, TIMER, self.instances[i])
 
     def _timer(self, inst: SimInstance | None, total: int) -> None:
         """A local scheduler's wake-up time (a batching window closing), or, for None, the
         global scheduler's periodic tick, which goes on while requests remain."""
         if inst is None:
-            self.core.tick(self.now)
-            period = self.policy.global_scheduler.period
-            if self._done < total and period is not None:
-                self._push(self.now + period, TIMER, None)
-        elif inst.timer_at is not None and inst.timer_at <= self.now:
-            inst.timer_at = None
+            ticks = self.core.ticks
+            self.core.tick_due(self.now)  # due exactly now: timer events keep the grid
+            if self._done < total and ticks.next is not None:
+                self._push(ticks.next, TIMER, None)
+            else:
+                ticks.end()
+        elif inst.turns.due(inst.id, self.now):
             self._kick(inst)
 
-    def _queue_for_device(self, inst: SimInstance) -> None:
-        """shared_device: instances take the device first come, first served (in the order
-        they were kicked; one that just ran a step is kicked at its end, so it goes to the
-        back), and whenever it is free the head of the queue plans its step. An engine loop
-        that steps several engines in one thread (`LocalCluster`) does exactly this."""
-        if inst not in self._device_queue:
-            self._device_queue.append(inst)
-        queue = self._device_queue
-        while queue and self._device_free <= self.now:
-            head = queue.popleft()
-            head.wake_pending = False
-            self._start_step(head)
-
-    def _start_step(self, inst: SimInstance) -> None:
-        if inst.plan is not None:
+    def _take_turns(self, inst: SimInstance) -> None:
+        """A SCHEDULE event of `inst`: with its own device it plans its step now; on a
+        shared device the queue's head plans its step whenever the device is free (first
+        come, first served, as `LocalCluster` steps its engines on one thread)."""
+        turns = inst.turns
+        if not self.shared_device:
+            turns.pop()
+            self._start_step(inst)
             return
-        plan = inst.sched.schedule(self.now)
-        self._changed(inst)
-        if plan is None:
-            wake = inst.sched.wake_at(self.now)
-            if wake is not None and wake > self.now and (inst.timer_at is None or wake < inst.timer_at):
-                inst.timer_at = wake
-                self._push(wake, TIMER, inst)
-            return
-        k = plan.max_repeats
-        if k > 1:  # the simulator knows when each request stops: end the run at the first
-            k = min(k, min(d.remaining_output for d in plan.decodes))
-            if k < plan.max_repeats:
-                inst.sched.shorten(plan, k)
-        shape = plan.shape(k)
-        if plan.preempt_stride:  # operator timeline, so a preemption can stop at a boundary
-            rel = self.cost.op_boundaries(shape)
-            start = self.now - (float(rel[plan.ops_done - 1]) if plan.ops_done else 0.0)
-            inst.bounds = start + rel
-            ends = inst.bounds[-1:]
-        elif k > 1:  # same additions, in the same order, as stepping one at a time
-            durations = self.cost.step_time(shape)
-            ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
-        else:
-            ends = np.array([self.now + float(self.cost.step_time(shape))])
-        inst.plan = plan
-        inst.set_ends(ends)
-        inst.started = self.now
-        inst.launch(shape, self.now)
-        inst.version += 1
-        inst.busy_s += float(ends[-1] - self.now)
-        self._device_free = float(ends[-1])
-        self._push(float(ends[-1]), STEP, (inst, inst.version))
+        while turns.ready and self._device_free <= self.now:
+            self._start_step(self.instances[turns.ready.popleft()])
 
     def _check_conservation(self, states: list[RequestState]) -> None:
         stuck = [s.id for s in states if s.status not in (Status.FINISHED, Status.REJECTED)]

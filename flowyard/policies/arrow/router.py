@@ -128,8 +128,8 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         return max(tokens, worst)
 
     def _refresh(self, view: ClusterView, now: float) -> ElasticPools:
-        """Create the pools on first use; let drained transitional instances settle; tick the
-        monitor from dispatches when no executor timer does (the real LocalCluster)."""
+        """Create the pools on first use; let drained transitional instances settle (the
+        monitor ticks on every executor's tick grid, `flowyard.cluster.ticks`)."""
         if self.pools is None:
             ids = list(view.instances())
             p = self.cfg.num_prefill if self.cfg.num_prefill is not None else max(1, len(ids) // 2)
@@ -138,9 +138,6 @@ class ArrowRouter(InstanceMonitor, GlobalScheduler):
         pools = self.pools
         for i in pools.members(Pool.P2D, Pool.D2P):
             pools.settle(i, view.snapshot(i), now)
-        last = self._last_tick if self._last_tick is not None else self._start
-        if self.period is not None and last is not None and now - last >= 2 * self.period:
-            self.tick(view, now)
         return pools
 
     def _argmin(self, ids: list[int], key, home: Pool | None = None) -> int | None:
