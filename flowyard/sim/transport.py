@@ -5,7 +5,8 @@ A snapshot is taken only when the instance's scheduler changed since the last on
 drops it); one read in the middle of a multi-step decode run first commits the steps that
 ended before now (`_sync`), so it shows what a step-by-step executor would show. With
 `snapshot_staleness` > 0 a global policy reads each instance's snapshot as it was up to that
-many seconds ago (as from a runtime's periodic reports); such snapshots change without a
+many seconds ago (as from a runtime's periodic reports), with the requests sent to it since
+counted in (`InstanceSnapshot.count_in`, the rule asynchronous Ray follows); such snapshots change without a
 change of the scheduler, so the score-ordered indexes (`flowyard.cluster.index`) are off and
 policies scan instead.
 
@@ -16,6 +17,7 @@ copy and the destination continues the request.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -101,6 +103,11 @@ class SimTransport(SimBase):
         self._changed(inst)
         if not ok:
             return False
+        cached = self._snap_cache.get(instance) if self.snapshot_staleness > 0 else None
+        if cached is not None:  # Ray's rule: a stale snapshot counts what was sent since it was read
+            snap = replace(cached[1])
+            snap.count_in(st.req)
+            self._snap_cache[instance] = (cached[0], snap)
         plan = inst.plan
         if plan is not None and plan.preempt_stride and inst.suspend_at < 0:
             if inst.sched.preempt_check(now):
