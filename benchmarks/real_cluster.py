@@ -28,6 +28,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +39,8 @@ from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, eng
 from flowyard.experiments.report import source_revision  # noqa: E402
 
 from flowyard.core.goodput import goodput_search  # noqa: E402
+
+FLOOR = 0.02  # req/s: the lowest rate a search tries
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
 
@@ -54,9 +57,23 @@ def profile_engine(path: Path, threads: int | None) -> None:
 
 def search(measure, guess: float, evals: int, policy: str):
     """Goodput around the simulator's guess: 4 evaluations find it within ~15 % when the guess
-    is within 2x of the truth."""
-    return goodput_search(measure, lo=max(guess * 0.5, 0.02), hi=max(guess * 1.25, 0.05), tol=0.15,
-                          max_evals=evals, policy=policy)
+    is within 2x of the truth. When even the lowest rate misses (a guess too high), the search
+    steps down, a quarter each time, while evaluations remain, so it still brackets the goodput
+    instead of reporting 0 after one point."""
+    seen: dict[float, float] = {}
+
+    def memo(rate: float) -> float:  # a rate measured once is not measured again
+        if rate not in seen:
+            seen[rate] = measure(rate)
+        return seen[rate]
+
+    lo, hi = max(guess * 0.5, FLOOR), max(guess * 1.25, 0.05)
+    while True:
+        budget = evals - len(seen) + (1 if seen else 0)  # after a step down, hi is the rate that missed: known
+        res = goodput_search(memo, lo=lo, hi=hi, tol=0.15, max_evals=max(2, budget), policy=policy)
+        if not res.never_met or evals - len(seen) < 1 or lo <= FLOOR:
+            return replace(res, curve=sorted(seen.items()))
+        lo, hi = max(lo / 4, FLOOR), lo
 
 
 def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:

@@ -130,3 +130,24 @@ def test_the_simulated_table_names_flowyard_over_the_best_other(tiny):
     assert table[0].startswith("| executor | workload | vllm | flowyard |") and len(table) == 3
     cells = [c.strip() for c in table[2].strip("|").split("|")]
     assert cells[:2] == ["local", "conv-short"] and (cells[-1] == "—" or cells[-1].endswith("×"))
+
+
+def test_a_search_whose_guess_is_too_high_steps_down_and_still_brackets():
+    """The measured failure: a simulator guess twice too high made the real search miss at its
+    lowest rate and report 0 after one point. Now it steps down while evaluations remain."""
+    from real_cluster import search
+
+    calls: list[float] = []
+
+    def attainment(rate: float) -> float:
+        calls.append(rate)
+        return 1.0 if rate <= 0.7 else 0.5
+
+    res = search(attainment, guess=6.0, evals=4, policy="p")
+    assert 0 < res.goodput <= 0.7 and not res.never_met
+    assert len(calls) == len(set(calls)) <= 4  # no rate measured twice, within the budget
+    assert [r for r, _ in res.curve] == sorted(calls)
+    assert search(lambda r: 0.0, guess=6.0, evals=3, policy="p").goodput == 0.0
+    calls.clear()
+    assert search(lambda r: calls.append(r) or (1.0 if r <= 5.0 else 0.0), guess=6.0, evals=4, policy="p").goodput >= 3.0
+    assert len(calls) == 4  # a guess in range: the budget is the plain search's
