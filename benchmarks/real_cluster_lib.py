@@ -178,7 +178,7 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              f"Command: `{meta['command']}`. SLOs from the engine's profile: TPOT {meta['slos']['tpot_s'] * 1e3:.0f} ms, "
              f"TTFT by prompt length `{meta['slos']['ttft_by_length']}` (s). Workloads: "
              + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items()), "",
-             "## Verdicts", "", *verdicts(rows), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
+             "## Verdicts", "", *verdicts(rows, len(POLICIES)), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
               "above it that did not (∞: no rate above failed); the simulated one with a finer search. "
               "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "

@@ -67,7 +67,7 @@ def test_kendall_tau_and_verdicts_cannot_pass_on_nothing():
     rows[2]["real_goodput"], rows[0]["real_goodput"], rows[1]["real_goodput"] = 1.3, 1.0, 0.5
     for r, s in zip(rows, (1.0, 0.4, 1.2)):
         r["sim_goodput"] = s
-    text = "\n".join(rc.verdicts(rows))
+    text = "\n".join(rc.verdicts(rows, expected=3))
     assert "w 1.30×–1.30×" in text and "1.2× on one workload: met" in text
     assert "w 1.00 over 3 of 3 pairs" in text and "0.7 per workload: met" in text
 
@@ -98,8 +98,12 @@ def test_overlapping_brackets_order_nothing_and_decide_no_ratio():
     assert "no pair ordered" in text and "0.7 per workload: undecided" in text
     assert "1.2× on one workload: undecided (brackets too wide)" in text
     rows[2] = _row("flowyard", 2.5, 3.0, 2.6)  # above every other bracket by more than 1.2x
-    text = "\n".join(rc.verdicts(rows))
+    text = "\n".join(rc.verdicts(rows, expected=3))
     assert "1.2× on one workload: met" in text and "over 2 of 3 pairs" in text
+    # the measured case: flowyard against vllm alone is no verdict on "the best other policy"
+    text = "\n".join(rc.verdicts([rows[0], rows[2]], expected=7))
+    assert "(over 1 of 6 others)" in text and "met only over the policies measured so far" in text
+    assert "1.2× on one workload: met" not in text
 
 
 def test_a_real_point_against_flowyard_serve(tiny):
