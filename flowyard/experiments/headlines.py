@@ -33,7 +33,7 @@ def _real_cluster(md: str) -> dict[str, str]:
     ratios = re.findall(r"flowyard / best other real goodput: (.*?) — target", md)
     if not ratios:
         raise ValueError("real-cluster report: no 'flowyard / best other' verdict")
-    spans = [s.strip() for r in ratios for s in re.findall(r"[a-z-]+ ([\d.]+×–[\d.∞]+×?)", r)]
+    spans = [s.strip() for r in ratios for s in re.findall(r"[a-z-]+ ([\d.]+×–[\d.∞]+×?(?: \(over \d+ of \d+ others\))?)", r)]
     cells = [line.split("|") for line in md.splitlines()
              if re.match(r"^\| (local|ray) \| [a-z-]+ \| `[a-z0-9-]+` \| [\d.]+ – [\d.∞]+ \|", line)]
     if not cells or not spans:
@@ -42,15 +42,17 @@ def _real_cluster(md: str) -> dict[str, str]:
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}"}
 
 
-SOURCES: dict[str, Callable[[str], dict[str, str]]] = {
-    "fidelity_published.md": _fidelity, "real_cluster.md": _real_cluster}
+# report -> (its parser, the prefix its numbers' names get in the README)
+SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
+    "fidelity_published.md": (_fidelity, ""), "real_cluster.md": (_real_cluster, ""),
+    "real_cluster_conv_short.md": (_real_cluster, "short-")}
 
 
 def values(results: Path) -> dict[str, str]:
     """Every generated README number, from the reports under `results`."""
     out: dict[str, str] = {}
-    for name, parse in SOURCES.items():
-        out.update(parse((results / name).read_text()))
+    for name, (parse, prefix) in SOURCES.items():
+        out.update({prefix + k: v for k, v in parse((results / name).read_text()).items()})
     return out
 
 
