@@ -46,6 +46,8 @@ from flowyard.sim.transport import SimTransport
 
 __all__ = ["SimResult", "SimulationError", "Simulator"]
 
+MAX_IDLE_TICKS = 10_000  # periodic ticks in a row with no other event before a run is declared stuck
+
 
 class Simulator(SimTransport, StepExecution):
     """Replays requests through a `Policy` on `num_instances` simulated instances."""
@@ -135,6 +137,7 @@ class Simulator(SimTransport, StepExecution):
             if ticks.next is not None:
                 self._push(ticks.next, TIMER, None)
         events = 0
+        self._idle_ticks = 0
         heap = self._heap
         while heap:
             t, kind, _, payload = heapq.heappop(heap)
@@ -233,6 +236,12 @@ class Simulator(SimTransport, StepExecution):
         if inst is None:
             ticks = self.core.ticks
             self.core.tick_due(self.now)  # due exactly now: timer events keep the grid
+            # Only ticks left, tick after tick, while requests remain: nothing else can ever
+            # happen, so the run is stuck; say so rather than tick forever.
+            self._idle_ticks = self._idle_ticks + 1 if not self._heap else 0
+            if self._idle_ticks > MAX_IDLE_TICKS:
+                raise SimulationError(f"{total - self._done} request(s) can make no progress: for "
+                                      f"{MAX_IDLE_TICKS} periodic ticks nothing else happened (a deadlock)")
             if self._done < total and ticks.next is not None:
                 self._push(ticks.next, TIMER, None)
             else:
