@@ -202,3 +202,27 @@ def test_the_global_scheduler_sees_the_real_request_with_its_session_history(tmp
     assert (seen[1].turn, seen[1].history_len) == (1, len(first) + len(reply))
     routes = [d.dst for d in log.decisions if d.kind == "route"]
     assert routes[0] == routes[1]  # home: where the first turn's history is cached
+
+
+def test_an_idle_instance_admits_a_waiting_migration_once_a_release_makes_room(tiny):
+    """Bug: a migration waiting for KV on an instance was admitted only when that instance
+    ended a step; room made by a release (a request that left it) with nothing left to step
+    left it waiting forever, and its source holding its KV (Arrow deadlocked so)."""
+    model, tok = tiny
+    long, short = [(3 * j) % 200 + 3 for j in range(100)], PROMPTS[0]  # 100 and 40 tokens
+    cluster = LocalCluster(model, tok, build_policy("round-robin", PolicyOptions(num_instances=3)),
+                           EngineConfig(dtype="float32", kv_cache_tokens=128, block_size=16))
+    cluster.add_request("x", long, GREEDY)  # instance 0: 7 of its 8 blocks
+    cluster.add_request("a", short, GREEDY)  # instance 1
+    x, a = (cluster.engines[i].tracked(r).state for i, r in ((0, "x"), (1, "a")))
+    while x.num_output < 2 or a.num_output < 2:
+        cluster.step()
+    assert cluster.migrate("a", 0) and cluster._kv_home  # no room on 0: it waits, KV on 1
+    assert cluster.migrate("x", 2)  # room on 2 at once: 0's blocks are released
+    for _ in range(200):
+        if not cluster.has_unfinished():
+            break
+        cluster.step()
+    assert not cluster.has_unfinished(), "the migration to instance 0 was never admitted"
+    for e in cluster.engines:
+        assert not e.kv.leaked()

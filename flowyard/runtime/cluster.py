@@ -238,6 +238,9 @@ class LocalCluster(ClusterBase):
             # event or its wake-up time
             turns.stepped(i, ran, engine.wake_time, self.now())
             if not ran and not outs:
+                # KV freed here since its last step (a moved request's copy released) may
+                # make room for a migration waiting to come here: admit it (the simulator's rule)
+                self._admit(engine)
                 continue
             outputs += outs
             for out in outs:

@@ -66,6 +66,9 @@ class SimBase:
     def _changed(self, inst: SimInstance) -> None:  # SimTransport
         raise NotImplementedError
 
+    def _start_transfers(self, dst: SimInstance) -> None:  # SimTransport
+        raise NotImplementedError
+
     def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:  # StepExecution
         raise NotImplementedError
 
