@@ -8,6 +8,7 @@ import collections
 from dataclasses import dataclass
 
 from flowyard.cluster.core import ClusterCore, DecisionLog
+from flowyard.cluster.driver import InstanceDriver
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import InstanceSnapshot
@@ -53,7 +54,7 @@ class Sessions:
         self._last[req.session] = (req.turn, req.prompt_tokens + tuple(st.output_tokens))
 
 
-class ClusterBase:
+class ClusterBase(InstanceDriver):
     """The parts of a runtime that do not depend on where its instances run."""
 
     policy: Policy

@@ -33,7 +33,7 @@ from flowyard.engine.model import CausalLM
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.engine.tokenizer import Tokenizer
-from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role, StepResult
 from flowyard.policies.framework.policy import Policy
 from flowyard.runtime.base import ClusterBase
 
@@ -94,7 +94,7 @@ class LocalCluster(ClusterBase):
         self._where[tracked.request_id] = dst
         self._kv_home[st.id] = src
         target.scheduler.add_migration(st, now)
-        self._admit(target)
+        self._admit_moved(dst)
 
     def fail(self, instance: int, st: RequestState, reason: str) -> None:
         engine = self.engines[instance]
@@ -105,7 +105,8 @@ class LocalCluster(ClusterBase):
         self._where.pop(rid, None)
         self._failed.append(RequestOutput(rid, finished=True, finish_reason="error", error=reason, retry_after=1.0))
 
-    def _admit(self, dst: LLMEngine) -> None:
+    def _admit_moved(self, i: int) -> None:
+        dst = self.engines[i]
         for st in dst.scheduler.admit_migrations(self.now()):
             src = self.engines[self._kv_home.pop(st.id)]
             n = cdiv(st.num_computed, src.kv.block_size)
@@ -234,25 +235,22 @@ class LocalCluster(ClusterBase):
                                    preempted=engine.pool.stats.count > preempted)
 
             ran = not engine.idle or bool(engine.results)
-            # ran: to the back, before whatever its step sends elsewhere; else wait for an
-            # event or its wake-up time
-            turns.stepped(i, ran, engine.wake_time, self.now())
-            if not ran and not outs:
-                # KV freed here since its last step (a moved request's copy released) may
-                # make room for a migration waiting to come here: admit it (the simulator's rule)
-                self._admit(engine)
-                continue
             outputs += outs
             for out in outs:
                 if out.finished:
                     self._where.pop(out.request_id, None)
             results, engine.results = engine.results, []
-            for result in results:
-                self._finished(result.finished)
-                self.core.stepped(i, result, self.now())
-            self._admit(engine)
-            break
+            self.end_turn(i, ran, engine.wake_time, self.now(), results)
+            if ran or outs:
+                break
         return outputs
+
+    # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
+    def _turns_of(self, i: int) -> Turns:
+        return self.turns
+
+    def _finished_here(self, i: int, result: StepResult) -> None:
+        self._finished(result.finished)
 
     def migrate(self, request_id: str, dst: int) -> bool:
         """Move a running request to instance `dst` now, at whatever token it has reached

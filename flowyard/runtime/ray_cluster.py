@@ -186,7 +186,7 @@ class RayCluster(RayReports, RayLockstep, RayFaults):
         self._mark_busy(dst)
         self.migrations += 1
         if self.lockstep:
-            self._lockstep_admit(dst)
+            self._admit_moved(dst)
 
     def fail(self, instance: int, st: RequestState, reason: str) -> None:
         rid = self._rid[st.id]
@@ -303,6 +303,7 @@ class RayCluster(RayReports, RayLockstep, RayFaults):
                     outputs += self._instance_died(i)
                 continue
             outputs += self._apply(i, report)
+            self.apply_results(i, report.results, self.now())  # the actor admitted moved requests itself
         return outputs
 
     def _sleep_until_a_wake(self, now: float, timeout: float | None) -> None:

@@ -64,13 +64,6 @@ class RayLockstep(RayState):
         self._kick(instance)
         return True
 
-    def _lockstep_admit(self, i: int) -> None:
-        """Instance i takes in what was moved to it and imports the KV it has room for; each
-        source then frees its copy."""
-        for req_id, src in self._ray.get(self._call(i, "lockstep_admit", self.now())):
-            self._released([(req_id, src)])
-            self._kick(i)
-
     def _lockstep_step(self) -> list[RequestOutput]:
         """One actor step, from the head of the queue (actors that find nothing to run are
         passed over), then the cluster core's hand-offs and moves for what it produced."""
@@ -90,16 +83,25 @@ class RayLockstep(RayState):
                 continue
             finally:
                 turns.running = None
-            # ran: to the back, before whatever its step sends elsewhere; else wait for an
-            # event or the wake-up time
-            turns.stepped(i, not report.idle, report.wake, self.now())
             if report.idle and not report.outputs:
                 self._snaps[i], self._busy[i] = report.snapshot, report.busy
+                self.end_turn(i, False, report.wake, self.now())
                 continue
             outputs += self._apply(i, report)
-            self._lockstep_admit(i)
+            self.end_turn(i, not report.idle, report.wake, self.now(), report.results)
             break
         return outputs
+
+    # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
+    def _turns_of(self, i: int) -> Turns:
+        return self.turns
+
+    def _admit_moved(self, i: int) -> None:
+        """Instance i takes in what was moved to it and imports the KV it has room for; each
+        source then frees its copy."""
+        for req_id, src in self._ray.get(self._call(i, "lockstep_admit", self.now())):
+            self._released([(req_id, src)])
+            self._kick(i)
 
     def _lockstep_run(self, i: int):
         value = self._ray.get(self._call(i, "lockstep_step", self.now()))

@@ -75,8 +75,8 @@ class RayReports(RayState):
     _wake_at: list[float | None]
 
     def _apply(self, i: int, report: StepReport) -> list[RequestOutput]:
-        """What one actor step produced: its outputs, the decisions it took (logged), the KV
-        its sources may free, then the cluster core's hand-offs and moves."""
+        """What one actor step produced, up to its step results (`InstanceDriver`): its
+        outputs, the decisions it took (logged), the KV its sources may free."""
         # Work sent while this step ran is not in its report: stay busy for it, and count the
         # adds the actor had not taken in yet (else a burst that arrives during one step
         # would vanish from the queue the policy and the --max-waiting bound read).
@@ -113,13 +113,13 @@ class RayReports(RayState):
             self._inputs.pop(o.request_id, None)  # started (or refused): its KV now matters
             if o.finished:
                 self._where.pop(o.request_id, None)
-        for result in report.results:
-            self._finished(result.finished)
-            for st in result.finished:
-                self._rid.pop(st.id, None)
-                self._states.pop(st.id, None)
-            self.core.stepped(i, result, self.now())
         return outputs
+
+    def _finished_here(self, i: int, result: StepResult) -> None:
+        self._finished(result.finished)
+        for st in result.finished:
+            self._rid.pop(st.id, None)
+            self._states.pop(st.id, None)
 
     def _released(self, admitted: list[tuple[int, int]]) -> None:
         """The destination imported these requests' KV: their sources free their copies."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from flowyard.cluster.core import ClusterCore
+from flowyard.cluster.driver import InstanceDriver
 from flowyard.cluster.index import Touched
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.events import EventKind
@@ -33,7 +34,7 @@ class SimulationError(RuntimeError):
     """A run ended with a request neither finished nor rejected, or with KV still held."""
 
 
-class SimBase:
+class SimBase(InstanceDriver):
     """The simulator's state, as its parts use it (set by `Simulator.__init__`)."""
 
     now: float
@@ -66,8 +67,6 @@ class SimBase:
     def _changed(self, inst: SimInstance) -> None:  # SimTransport
         raise NotImplementedError
 
-    def _start_transfers(self, dst: SimInstance) -> None:  # SimTransport
-        raise NotImplementedError
 
     def _preempt(self, inst: SimInstance, plan: StepPlan) -> None:  # StepExecution
         raise NotImplementedError

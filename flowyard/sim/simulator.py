@@ -34,7 +34,7 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
-from flowyard.policies.framework.contracts import InstanceSnapshot, Role
+from flowyard.policies.framework.contracts import InstanceSnapshot, Role, StepResult
 from flowyard.policies.framework.policy import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
 from flowyard.sim.base import ARRIVAL, INF, SCHEDULE, STEP, TIMER, SimulationError
@@ -201,7 +201,7 @@ class Simulator(SimTransport, StepExecution):
         if inst.suspend_at >= 0:  # a preempted plan acked at an operator boundary
             k, inst.suspend_at = inst.suspend_at, -1
             inst.sched.suspend(plan, k, self.now)
-            inst.turns.stepped(inst.id, True)
+            self.end_turn(inst.id, True, None, self.now)
             return
         self.steps += steps
         inst.account(steps)
@@ -210,13 +210,20 @@ class Simulator(SimTransport, StepExecution):
         result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
         inst.settle(self.now)
         self.kv_push.computed(inst.id, ends)
+        self.end_turn(inst.id, True, None, self.now, (result,))
+
+    # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
+    def _turns_of(self, i: int) -> Turns:
+        return self.instances[i].turns
+
+    def _finished_here(self, i: int, result: StepResult) -> None:
         for st in result.finished:
             self.kv_push.finished(st)
             st.compact()  # its token times only: the batch's shared run arrays can go
             self._ended(st)
-        self.core.stepped(inst.id, result, self.now)
-        self._start_transfers(inst)
-        inst.turns.stepped(inst.id, True)  # to the back of its device's queue
+
+    def _admit_moved(self, i: int) -> None:
+        self._start_transfers(self.instances[i])
 
     def _kick(self, inst: SimInstance) -> None:
         """Something reached `inst`: a multi-step run in flight is cut short; an idle instance

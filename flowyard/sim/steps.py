@@ -28,10 +28,7 @@ class StepExecution(SimBase):
         plan = inst.sched.schedule(self.now)
         self._changed(inst)
         if plan is None:  # nothing to run: wait for an event or the scheduler's wake-up time
-            inst.turns.stepped(inst.id, False, inst.sched.wake_at(self.now), self.now)
-            # KV freed here since the last step (a moved request's copy released) may make room
-            # for a migration waiting to come here; with no step ahead, admit it now
-            self._start_transfers(inst)
+            self.end_turn(inst.id, False, inst.sched.wake_at(self.now), self.now)
             return
         k = plan.max_repeats
         if k > 1:  # the simulator knows when each request stops: end the run at the first

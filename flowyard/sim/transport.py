@@ -134,8 +134,10 @@ class SimTransport(SimBase):
 
     def _start_transfers(self, dst: SimInstance) -> None:
         """dst admits the moved requests it has room for; each one's KV starts moving."""
-        self._changed(dst)
-        for st in dst.sched.admit_migrations(self.now):
+        admitted = dst.sched.admit_migrations(self.now)
+        if admitted:
+            self._changed(dst)
+        for st in admitted:
             src = st.instance
             assert src is not None
             landing = self.kv_push.landing(st, src, dst.id, self.now)
