@@ -155,3 +155,29 @@ def test_a_search_whose_guess_is_too_high_steps_down_and_still_brackets():
     calls.clear()
     assert search(lambda r: calls.append(r) or (1.0 if r <= 5.0 else 0.0), guess=6.0, evals=4, policy="p").goodput >= 3.0
     assert len(calls) == 4  # a guess in range: the budget is the plain search's
+
+
+def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
+    """real_cluster_steps.py reads the steps a server's --timeline recorded (decode runs counted
+    per step), prices each batch, and counts only short gaps as time between steps."""
+    import numpy as np
+
+    from conftest import LinearCost
+    from real_cluster_steps import gaps_while_busy, real_steps, step_ratios
+
+    from flowyard.cluster.timeline import Timeline
+    from flowyard.core.plan import PrefillSlice, StepPlan
+    from flowyard.core.request import Request, RequestState
+
+    st = RequestState(Request(id=0, arrival=0.0, prompt_len=100, output_len=8))
+    pre, dec = StepPlan(prefills=[PrefillSlice(st, 0, 100)]), StepPlan(decodes=[st])
+    tl = Timeline()
+    tl.step(0, 0.0, 0.5, pre)
+    tl.step(0, 0.5001, 0.7001, dec, steps=2)  # a decode run of two steps
+    tl.step(1, 5.0, 5.1, dec)  # after an idle while: not a gap between steps
+    tl.write(tmp_path / "tl.json")
+    steps = real_steps(tmp_path / "tl.json")
+    assert [round(s[1], 6) for s in steps] == [0.5, 0.1, 0.1]
+    assert gaps_while_busy(steps) == pytest.approx(1e-4, abs=1e-6)
+    ratios = step_ratios(steps, LinearCost(), decode_ctx=100.0)
+    assert all(np.isfinite(v).all() and min(v) > 0 for v in ratios.values())

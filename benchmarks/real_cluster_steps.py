@@ -1,0 +1,163 @@
+"""Where the simulator's prediction of a real cluster goes wrong: step prices or scheduling.
+
+For one policy and workload of `real_cluster.py`, at each of --rates: one `flowyard serve
+--instances 2` run with `--timeline` (every step the engines ran, with its batch), and the
+simulator's run of the same requests with the same profile and `shared_device`. The report
+puts side by side
+
+- SLO attainment and P50/P90 TTFT and TPOT, real and simulated;
+- each real step's duration over the profile's price of its batch (median, P10, P90 by step
+  kind): the cost model's error on the steps the server really ran;
+- busy seconds (steps) and the seconds between steps while the server had work (the frontend,
+  HTTP and the serving loop, which the simulator does not price);
+- the same rate measured again (--repeats): the spread of the real measurement itself, which
+  bounds how closely any prediction can be checked with this many requests.
+
+The timeline gives each step's prompt tokens and decode count, not the decodes' contexts: a
+decode is priced at the workload's mean prompt plus half its mean output (stated in the report).
+
+    python benchmarks/real_cluster_steps.py --policy flowyard --workload conv-short \
+        --rates 0.168,2.8,5.6 --repeats 2 --slo-factor 8 --out docs/results/real_cluster_steps.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from real_cluster import profile_engine
+from real_cluster_lib import INSTANCES, MAX_NUM_SEQS, WORKLOADS, Server, _at, engine_slos, make_workload, real_point
+
+from flowyard.cluster.timeline import Timeline
+from flowyard.core.metrics import summarize
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.link import Link
+from flowyard.costmodel.profiled import ProfiledCostModel
+from flowyard.experiments.report import md_table, source_revision
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.sim.cluster import Topology
+from flowyard.sim.simulator import Simulator
+
+
+def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
+    """(kind, seconds per step, prompt tokens, decodes, start) of every step in a served timeline."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("tid") != 0 or e.get("pid", 0) >= 1_000_000:
+            continue
+        a = e["args"]
+        p, n = int(a.get("prefill_tokens", 0)), int(a.get("decode_seqs", 0))
+        kind = "mixed" if p and n else ("prefill" if p else "decode")
+        out.append((kind, e["dur"] / 1e6 / max(1, int(a.get("steps", 1))), p, n, e["ts"] / 1e6))
+    return sorted(out, key=lambda s: s[4])
+
+
+def step_ratios(steps, cost, decode_ctx: float) -> dict[str, list[float]]:
+    by: dict[str, list[float]] = {}
+    for kind, dur, p, n, _ in steps:
+        shape = BatchShape.chunk(0, p, decode_seqs=n, decode_ctx=n * decode_ctx)
+        by.setdefault(kind, []).append(dur / float(cost.step_time(shape)))
+    return by
+
+
+def gaps_while_busy(steps) -> float:
+    """Seconds between consecutive steps shorter than 1 s (longer ones: the server was idle)."""
+    ends = [(s[4], s[4] + s[1]) for s in steps]
+    return sum(g for g in (b[0] - a[1] for a, b in zip(ends, ends[1:])) if 0 < g < 1.0)
+
+
+def sim_run(w, rate: float, policy: str, cost):
+    link = Link(1e12)  # an in-process copy
+    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=cost)
+    reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
+    tl = Timeline()
+    res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link), shared_device=True,
+                    timeline=tl).run()
+    s = summarize(res.states, policy=policy)
+    return s, sum(end - start for _, start, end, _, _ in tl.steps)
+
+
+def _q(v: list[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="flowyard")
+    ap.add_argument("--workload", default="conv-short", choices=sorted(WORKLOADS))
+    ap.add_argument("--rates", default="0.168,2.8,5.6", help="comma-separated req/s")
+    ap.add_argument("--repeats", type=int, default=2, help="real runs per rate (the measurement's own spread)")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--slo-factor", type=float, default=8.0)
+    ap.add_argument("--profile", default=None, help="a `flowyard profile` JSON (default: profile now)")
+    ap.add_argument("--out", default="docs/results/real_cluster_steps.md")
+    args = ap.parse_args()
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        sys.exit(f"real_cluster_steps: --rates must be numbers separated by commas, got {args.rates!r}")
+    if not rates or min(rates) <= 0 or args.repeats < 1 or args.requests < 2:
+        sys.exit("real_cluster_steps: rates must be positive, --repeats >= 1, --requests >= 2")
+    work = Path(tempfile.mkdtemp(prefix="real-steps-"))
+    prof = Path(args.profile) if args.profile else work / "profile.json"
+    if not prof.exists():
+        profile_engine(prof, None)
+    cost = ProfiledCostModel(str(prof))
+    slos = engine_slos(cost, args.slo_factor)
+    w = make_workload(args.workload, args.requests, slos, cost)
+    reqs = w.workload.requests
+    ctx = statistics.mean(r.prompt_len for r in reqs) + statistics.mean(r.target_output for r in reqs) / 2
+    started, rows, ratio_rows = time.time(), [], []
+    for rate in rates:
+        s, sim_busy = sim_run(w, rate, args.policy, cost)
+        for k in range(args.repeats):
+            srv = Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log")
+            tl = work / f"timeline-{rate}-{k}.json"
+            srv.cmd += ["--timeline", str(tl)]
+            with srv as url:
+                rp = real_point(url, w, rate, slos)
+            for _ in range(60):  # the server writes its timeline as it shuts down
+                if tl.exists():
+                    break
+                time.sleep(1)
+            steps = real_steps(tl)
+            rows.append([f"{rate:g}", k + 1, f"{rp['attainment']:.2f} / {s.slo_attainment:.2f}",
+                         f"{rp['ttft_p50'] * 1e3:.0f} / {s.ttft['p50'] * 1e3:.0f}",
+                         f"{rp['ttft_p90'] * 1e3:.0f} / {s.ttft['p90'] * 1e3:.0f}",
+                         f"{rp['tpot_p50'] * 1e3:.0f} / {s.tpot['p50'] * 1e3:.0f}",
+                         f"{rp['tpot_p90'] * 1e3:.0f} / {s.tpot['p90'] * 1e3:.0f}",
+                         f"{sum(st[1] for st in steps):.1f} / {sim_busy:.1f}", f"{gaps_while_busy(steps):.2f}"])
+            for kind, v in sorted(step_ratios(steps, cost, ctx).items()):
+                ratio_rows.append([f"{rate:g}", k + 1, kind, len(v), f"{statistics.median(v):.2f}",
+                                   f"{_q(v, 0.1):.2f}", f"{_q(v, 0.9):.2f}"])
+            print(f"rate {rate:g} run {k + 1}: real attainment {rp['attainment']:.2f}, sim {s.slo_attainment:.2f}",
+                  file=sys.stderr, flush=True)
+    rev = source_revision()
+    lines = [("" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n")
+             + f"# Real cluster against the simulator, step by step: `{args.policy}` on `{args.workload}`", "",
+             f"Generated by `python benchmarks/real_cluster_steps.py {' '.join(sys.argv[1:])}` at revision {rev}; "
+             f"machine {platform.platform()} ({platform.machine()}, 2 in-process instances); {args.requests} requests "
+             f"per run; SLO factor {args.slo_factor:g}; wall {(time.time() - started) / 60:.1f} min.", "",
+             "## Requests: real / simulated", "",
+             md_table(["rate (req/s)", "run", "attainment", "TTFT P50 (ms)", "TTFT P90", "TPOT P50 (ms)", "TPOT P90",
+                       "busy s", "real s between steps"], rows), "",
+             "## Step prices: real step duration / profile's price of its batch", "",
+             f"Decodes priced at a context of {ctx:.0f} tokens (the workload's mean prompt plus half its mean output).",
+             "", md_table(["rate (req/s)", "run", "kind", "steps", "median", "P10", "P90"], ratio_rows)]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
