@@ -167,6 +167,10 @@ def _span(lo: float, hi: float) -> str:
     return f"{lo:.3f} – {'∞' if not math.isfinite(hi) else f'{hi:.3f}'}"
 
 
+def _curve(curve: list | None) -> str:
+    return ", ".join(f"{r:.2f}: {a:.0%}" for r, a in sorted(curve or []))
+
+
 def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     rev = source_revision()
     lines = [("" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n")
@@ -187,6 +191,13 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
                           [[r["executor"], r["workload"], f"`{r['policy']}`", _span(*bracket(r)),
                             f"{r['sim_goodput']:.3f}", _pct(distance(r["sim_goodput"], *bracket(r)))]
                            for r in rows]))
+    lines += ["", "## Attainment curves", "",
+              "Every rate each search tried (req/s: share of requests within both SLOs). With few requests a point "
+              "moves in steps of one request, and near 90 % the curve is often flat over a wide range of rates: "
+              "there a goodput bracket says little, and the two curves say more.", ""]
+    lines.append(md_table(["executor", "workload", "policy", "real", "simulated"],
+                          [[r["executor"], r["workload"], f"`{r['policy']}`", _curve(r["real_curve"]),
+                            _curve(r["sim_curve"])] for r in rows]))
     lines += ["", "## Per-request fidelity at a fixed rate", ""]
     lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
                            "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err"],
