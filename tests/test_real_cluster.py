@@ -163,7 +163,7 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     import numpy as np
 
     from conftest import LinearCost
-    from real_cluster_steps import gaps_while_busy, real_steps, step_ratios
+    from real_cluster_steps import gaps_while_busy, real_steps, server_ttfts, step_ratios
 
     from flowyard.cluster.timeline import Timeline
     from flowyard.core.plan import PrefillSlice, StepPlan
@@ -175,7 +175,10 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     tl.step(0, 0.0, 0.5, pre)
     tl.step(0, 0.5001, 0.7001, dec, steps=2)  # a decode run of two steps
     tl.step(1, 5.0, 5.1, dec)  # after an idle while: not a gap between steps
+    st.first_token_time, st.finish_time = 0.5, 0.7001
+    tl.finished(st)
     tl.write(tmp_path / "tl.json")
+    assert server_ttfts(tmp_path / "tl.json") == [pytest.approx(0.5)]
     steps = real_steps(tmp_path / "tl.json")
     assert [round(s[1], 6) for s in steps] == [0.5, 0.1, 0.1]
     assert gaps_while_busy(steps) == pytest.approx(1e-4, abs=1e-6)
