@@ -7,6 +7,12 @@ import math
 import os
 
 
+class UsageError(Exception):
+    """A bad name or flag value: `flowyard` prints it as one line and exits with code 2. It lives
+    here, not in `flowyard.cli`, so `python -m flowyard.cli` (which runs that module as
+    `__main__`) catches the same class the subcommands' modules raise."""
+
+
 def positive_float(text: str, *, allow_inf: bool = False) -> float:
     try:
         v = float(text)
