@@ -28,14 +28,22 @@ def rate(text: str) -> float:
     return positive_float(text, allow_inf=True)
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, lo: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
     return v
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def nonneg_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def fraction(text: str) -> float:

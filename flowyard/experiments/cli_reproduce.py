@@ -9,19 +9,9 @@ import sys
 
 from flowyard.cli import _bar_on, _progress
 from flowyard.cli import _add_engine_flag as add_engine_flag
-from flowyard.cliargs import UsageError
+from flowyard.cliargs import UsageError, nonneg_int
 from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS
 from flowyard.sweep.jobs import add_sweep_flags
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -95,7 +85,7 @@ def add_reproduce_parser(sub) -> None:
     r.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"output directory: DIR/NAME.md and DIR/NAME/*.png (default {DEFAULT_OUT})")
     r.add_argument("--quick", action="store_true", help="a small version (one model, few rates; < 1 min)")
-    r.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    r.add_argument("--seed", type=nonneg_int, default=0, help="workload seed (default 0)")
     r.add_argument("--quiet", action="store_true", help="no per-run progress lines on stderr")
     r.add_argument("--allow-dirty", action="store_true",
                    help="run from a checkout with uncommitted changes (the report's first line then says so)")
