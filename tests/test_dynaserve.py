@@ -191,6 +191,23 @@ def test_dynaserve_steps_with_prefill_stay_within_the_tbt_slo():
     assert times and max(times) <= 0.1
 
 
+def test_dynaserve_steps_stay_within_the_requests_tpot_slo_not_a_fixed_one():
+    """Bug (found on the real CPU cluster): Alg. 2's TBT SLO was a fixed 0.1 s, so on an engine
+    whose smallest step takes longer every step took the 16-token floor, whatever SLO the
+    requests carried (a lone 374-token prompt: 24 steps). It now follows the requests' TPOT."""
+    from flowyard.core.request import SLO
+
+    slow = LinearCost(base=0.15, per_token=1e-3)  # a 16-token step alone takes 0.166 s
+    reqs = [Request(id=i, arrival=10.0 * i, prompt_len=400, output_len=4, slo=SLO(ttft=5.0, tpot=2.0))
+            for i in range(3)]
+    steps = []
+    pol = build_policy("dynaserve", PolicyOptions(num_instances=2, predictor=slow))
+    res = Simulator(reqs, pol, slow, TOPO, on_step=lambda i, plan, k: steps.append(plan) if plan.prefills else None).run()
+    assert max(sum(s.n for s in plan.prefills) for plan in steps) > 16  # not held at the floor
+    assert all(float(slow.step_time(plan.shape())) <= 2.0 for plan in steps)
+    assert all(s.first_token_time - s.req.arrival < 2.0 for s in res.states)
+
+
 def test_slo_batching_off_keeps_the_split_and_fixes_the_step_budget():
     """Fig. 11's ablation: `slo_batching=False` leaves the split search on and gives every step
     `chunk_cap` prefill tokens, so with long prompts queued some steps overrun the TBT SLO that

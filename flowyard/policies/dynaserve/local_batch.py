@@ -18,7 +18,7 @@ Alg. 2's budget rule (`TBTBudget`), which returns each step's token budget, and 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -229,19 +229,36 @@ class MeasuredStep:
 class TBTBudget:
     """DynaServe's budget rule (Alg. 2): the step's decodes plus the largest prefill budget
     whose predicted step time stays within the TBT SLO (profile table); every executed step is
-    measured back into the table. `fixed_prefill` ablates it (Fig. 11)."""
+    measured back into the table. `fixed_prefill` ablates it (Fig. 11).
+
+    The TBT SLO is the tightest TPOT SLO of the requests running here (decodes and started
+    prompts), else the last one seen, else `LocalConfig.tbt_slo`: the paper's experiments give
+    every request one SLO, and a server's clients send theirs (a fixed 0.1 s on an engine whose
+    16-token step takes longer held every prompt at the 16-token floor). One table per value."""
 
     def __init__(self, cost: CostModel, local: LocalConfig = LocalConfig()) -> None:
-        self.local = local
-        self.profile = ProfileTable(cost, local)
+        self.local, self.cost = local, cost
+        self.tables: dict[float, ProfileTable] = {local.tbt_slo: ProfileTable(cost, local)}
+        self.tbt = local.tbt_slo  # the SLO in force: the last one the running requests gave
         self.budgets: list[int] = []  # prefill budget of each planned step (tests, reports)
         self._measure = MeasuredStep(cost)
+
+    @property
+    def profile(self) -> ProfileTable:
+        """The table of the TBT SLO in force."""
+        t = self.tables.get(self.tbt)
+        if t is None:
+            t = self.tables[self.tbt] = ProfileTable(self.cost, replace(self.local, tbt_slo=self.tbt))
+        return t
 
     def step(self, decodes: Sequence[RequestState], now: float, core: CoreView,
              urgent: UrgentQuery) -> StepBudget:
         n = len(decodes)
         ctx = sum(r.num_computed + 1 for r in decodes) / n if n else 0.0
         history = max((r.num_computed for r in core.running if r.in_prefill), default=0)
+        tpots = [r.req.slo.tpot for r in core.running if r.req.slo.tpot is not None]
+        if tpots:
+            self.tbt = min(tpots)
         if self.local.fixed_prefill is not None:  # SLO-aware batching off (Fig. 11's ablation)
             prefill = self.local.fixed_prefill
         else:
@@ -255,7 +272,8 @@ class TBTBudget:
     def executed(self, plan: StepPlan, out: StepOutput) -> None:
         m = self._measure.measured(out)
         if m is not None:
-            self.profile.record(*m)
+            for table in self.tables.values():
+                table.record(*m)
 
 
 def dynaserve_selector(cost: CostModel, local: LocalConfig = LocalConfig()) -> ChunkedSelector:
