@@ -34,6 +34,7 @@ class InstanceDriver:
     """A part of every executor: what happens when an instance's turn ends."""
 
     core: ClusterCore
+    turns: Turns
 
     def end_turn(self, i: int, ran: bool, wake: float | None, now: float,
                  results: Sequence[StepResult] = ()) -> None:
@@ -51,7 +52,9 @@ class InstanceDriver:
 
     # -- supplied by the executor ----------------------------------------------------------
     def _turns_of(self, i: int) -> Turns:
-        raise NotImplementedError
+        """The queue instance i takes turns in: the executor's one queue (the runtimes step
+        every instance from one thread); the simulator keeps one per device."""
+        return self.turns
 
     def _finished_here(self, i: int, result: StepResult) -> None:
         """The executor's own bookkeeping of the requests that finished in this step."""

@@ -19,7 +19,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     import time
 
     from flowyard.costmodel.engines import ENV_VAR
-    from flowyard.experiments import DEFAULT_OUT, EXPERIMENTS, run_experiment
+    from flowyard.experiments import run_experiment
 
     name = args.name.strip().lower()
     if args.engine_profile:  # the experiments build their own SimConfigs: the default moves

@@ -246,9 +246,6 @@ class LocalCluster(ClusterBase):
         return outputs
 
     # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
-    def _turns_of(self, i: int) -> Turns:
-        return self.turns
-
     def _finished_here(self, i: int, result: StepResult) -> None:
         self._finished(result.finished)
 

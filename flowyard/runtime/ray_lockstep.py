@@ -93,9 +93,6 @@ class RayLockstep(RayState):
         return outputs
 
     # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
-    def _turns_of(self, i: int) -> Turns:
-        return self.turns
-
     def _admit_moved(self, i: int) -> None:
         """Instance i takes in what was moved to it and imports the KV it has room for; each
         source then frees its copy."""
