@@ -41,6 +41,7 @@ from flowyard.experiments.report import source_revision  # noqa: E402
 from flowyard.core.goodput import goodput_search  # noqa: E402
 
 FLOOR = 0.02  # req/s: the lowest rate a search tries
+from flowyard.core.plan import BatchShape  # noqa: E402
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
 
@@ -53,6 +54,18 @@ def profile_engine(path: Path, threads: int | None) -> None:
 
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def machine_speed(now: ProfiledCostModel, first: ProfiledCostModel) -> float:
+    """How much slower (> 1) or faster the engine's steps were when `now` was profiled than when
+    the SLOs' profile was: the geometric mean of their price ratio over a prefill, a decode and a
+    mixed step. Rows measured far apart are compared through it (drift, not policy)."""
+    shapes = (BatchShape.chunk(0, 512), BatchShape(decode_seqs=8, decode_ctx=8 * 512),
+              BatchShape.chunk(0, 256, decode_seqs=4, decode_ctx=4 * 400))
+    prod = 1.0
+    for s in shapes:
+        prod *= float(now.step_time(s)) / float(first.step_time(s))
+    return round(prod ** (1 / len(shapes)), 3)
 
 
 def search(measure, guess: float, evals: int, policy: str):
@@ -105,6 +118,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="served model (default: the embedded SmolLM2-135M)")
     ap.add_argument("--slo-factor", type=float, default=4.0,
                     help="SLOs as this many times the engine's own step (TPOT) and prefill (TTFT) (default 4)")
+    ap.add_argument("--no-reprofile", dest="reprofile", action="store_false",
+                    help="use the first profile for every policy (default: profile again before each "
+                         "policy's runs, since this machine's speed drifts)")
     ap.add_argument("--sim-only", action="store_true",
                     help="measure nothing real: print the simulator's goodput per workload and policy, and "
                          "flowyard over the best other (to choose workloads where scheduling matters)")
@@ -153,21 +169,33 @@ def main() -> None:
         for policy in policies:
             if all((executor, policy, name) in have for name in ws):
                 continue
-            with Server(policy, executor, prof_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
+            # The machine's speed drifts (a VM moved to another host ran the same steps up to
+            # 1.4x slower than the evening before): each policy's server and simulation get a
+            # profile made just before its runs; the SLOs stay those of the first profile.
+            pol_path = work / f"profile-{executor}-{policy}.json"
+            if args.reprofile and not pol_path.exists():
+                print(f"profiling the engine before {policy} ...", file=sys.stderr, flush=True)
+                profile_engine(pol_path, 1 if executor == "ray" else None)
+            if not args.reprofile:
+                pol_path = prof_path
+            pcost = ProfiledCostModel(str(pol_path))
+            speed = machine_speed(pcost, cost)
+            with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():
                     if (executor, policy, name) in have:
                         continue
                     shared = executor == "local"
-                    sim = search(lambda r: sim_point(w, r, policy, cost, shared)["attainment"],
+                    sim = search(lambda r: sim_point(w, r, policy, pcost, shared)["attainment"],
                                  w.guess, 8, policy)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
                     real = search(lambda r: real_point(url, w, r, slos)["attainment"], guess, cfg.evals, policy)
                     fixed = w.fixed_rate
-                    rp, sp = real_point(url, w, fixed, slos), sim_point(w, fixed, policy, cost, shared)
+                    rp, sp = real_point(url, w, fixed, slos), sim_point(w, fixed, policy, pcost, shared)
                     rows.append({"executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve,
-                                 "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision()})
+                                 "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision(),
+                                 "profile": pol_path.name, "step_price_vs_slo_profile": speed})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
                           f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))

@@ -184,3 +184,21 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     assert gaps_while_busy(steps) == pytest.approx(1e-4, abs=1e-6)
     ratios = step_ratios(steps, LinearCost(), decode_ctx=100.0)
     assert all(np.isfinite(v).all() and min(v) > 0 for v in ratios.values())
+
+
+def test_machine_speed_compares_two_profiles_of_the_same_steps(tiny, tmp_path):
+    """Each policy is simulated with a profile made just before its runs; the row records how
+    much dearer its steps were than under the SLOs' profile, so drift is not read as policy."""
+    import json
+
+    from real_cluster import machine_speed
+
+    _, path, cost = tiny
+    assert machine_speed(cost, cost) == 1.0
+    slow = json.loads(path.read_text())
+    for sample in slow["samples"]:  # the same steps, each operator twice as long
+        sample["times"] = {k: 2 * v for k, v in sample["times"].items()}
+    slow["engine_overhead_s"] = 2 * slow.get("engine_overhead_s", 0.0)
+    doubled = tmp_path / "slow.json"
+    doubled.write_text(json.dumps(slow))
+    assert machine_speed(ProfiledCostModel(str(doubled)), cost) == pytest.approx(2.0, rel=0.05)
