@@ -95,14 +95,19 @@ def report(data: dict) -> str:
     pred, err = errors(data)
     rev = source_revision() or "unknown revision"
     gpu = gpu_of(meta)
-    lines = [f"# Cost model vs whole steps measured on an {gpu.upper()} (report at {rev})", "",
+    model = meta["model"]
+    moe = ("Each MoE layer runs its experts as fused-MoE engines do (tokens sorted by expert, two "
+           "grouped GEMMs, `torch._grouped_mm`); with random router weights the routing is close to "
+           "uniform, the case the cost model's distinct-expert count assumes. ") if "a3b" in model else ""
+    lines = [f"# Cost model vs whole steps measured on an {gpu.upper()}"
+             + ("" if model == "llama-3-8b" else f": {model}") + f" (report at {rev})", "",
              f"Measured by `python benchmarks/gpu_steps_measure.py` at {meta['revision']} on one "
              f"{meta['device']} (PyTorch {meta['torch']}, {meta['dtype']}, median of {meta['reps']} "
              f"runs per step); priced by `python benchmarks/gpu_steps_compare.py` with the "
              f"`{DEFAULT_ENGINE_PROFILE}` profile of the `published` calibration, model "
              f"{meta['model']}, GPU `{gpu}`, TP 1. None of these steps was used to fit the cost model. "
              "Random bf16 weights; attention is PyTorch's fused SDPA (flash), one call per prompt "
-             "and one batched call for the decodes (all at one context length).",
+             "and one batched call for the decodes (all at one context length). " + moe,
              "", "## Error by kind (CUDA-graph replay)", ""]
     kinds = sorted({kind(p) for p in points})
     rows = []
@@ -137,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="default: docs/results/gpu_steps_<gpu>.md")
     a = ap.parse_args(argv)
     data = json.loads(a.data.read_text())
-    out = a.out or ROOT / "docs" / "results" / f"gpu_steps_{gpu_of(data['meta'])}.md"
+    model = data["meta"]["model"]
+    suffix = "" if model == "llama-3-8b" else f"_{model}"
+    out = a.out or ROOT / "docs" / "results" / f"gpu_steps_{gpu_of(data['meta'])}{suffix}.md"
     out.write_text(report(data))
     print(f"wrote {out}")
 

@@ -59,3 +59,40 @@ def test_the_report_names_its_inputs(tmp_path):
     DATA = json.loads(gsc.DATA.read_text())
     text = out.read_text()
     assert DATA["meta"]["revision"] in text and "| mixed |" in text
+
+
+def test_the_measured_shapes_are_the_catalogs():
+    import gpu_steps_measure as gsm
+
+    from flowyard.costmodel import get_model
+
+    for name, shape in gsm.SHAPES.items():
+        spec = get_model(name)
+        for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab", "experts",
+                      "experts_active", "expert_intermediate"):
+            assert getattr(shape, field) == getattr(spec, field), (name, field)
+        assert shape.intermediate == spec.intermediate, name
+
+
+def test_the_timed_moe_layer_computes_what_a_loop_over_experts_does():
+    """The grouped-GEMM MoE the GPU timing runs is the real computation, not a stand-in of the
+    right size: each token's output is the renormalised top-k mix of its experts' SwiGLUs."""
+    import gpu_steps_measure as gsm
+    import torch
+    import torch.nn.functional as F
+
+    s = gsm.TINY_MOE
+    m = gsm.Model(s, "cpu", torch.float32)
+    L = m.layers[0]
+    h = torch.randn(13, s.hidden, generator=torch.Generator().manual_seed(1))
+    got = gsm.moe(h, L, s)
+    probs = (h @ L["router"].t()).softmax(-1)
+    wt, idx = probs.topk(s.experts_active, dim=-1)
+    wt = wt / wt.sum(-1, keepdim=True)
+    want = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(s.experts_active):
+            e = int(idx[t, j])
+            g, u = (h[t] @ L["egu"][e].t()).chunk(2)
+            want[t] += wt[t, j] * ((F.silu(g) * u) @ L["edown"][e].t())
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
