@@ -113,3 +113,20 @@ def test_the_timed_moe_layer_computes_what_a_loop_over_experts_does():
             g, u = (h[t] @ L["egu"][e].t()).chunk(2)
             want[t] += wt[t, j] * ((F.silu(g) * u) @ L["edown"][e].t())
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_moe_layer_report_prices_every_token_count(tmp_path):
+    """The MoE layer times are priced from the cost model, not typed: the report's ratio for
+    each token count is measured over priced, and the grouped GEMMs cost no more than the
+    whole routed MLP they are part of."""
+    import moe_gemm_compare as mgc
+
+    data = json.loads(mgc.DATA.read_text())
+    rows = mgc.priced(data)
+    assert [p["tokens"] for p in rows] == sorted(p["tokens"] for p in rows) and len(rows) >= 10
+    for p in rows:
+        assert 0 < p["gemms_pred_ms"] <= p["moe_pred_ms"] and p["gemms_ms"] <= p["moe_ms"]
+    out = tmp_path / "m.md"
+    mgc.main(["--out", str(out)])
+    text = out.read_text()
+    assert data["meta"]["revision"] in text and f"{rows[-1]['gemms_ms'] / rows[-1]['gemms_pred_ms']:.2f}" in text
