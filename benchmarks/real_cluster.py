@@ -45,9 +45,10 @@ from flowyard.core.plan import BatchShape  # noqa: E402
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
 
-def profile_engine(path: Path, threads: int | None) -> None:
-    """`flowyard profile` of the engine as the servers will run it (quick grid)."""
-    cmd = [sys.executable, "-m", "flowyard.cli", "profile", "--quick", "--out", str(path)]
+def profile_engine(path: Path, threads: int | None, passes: int = 3) -> None:
+    """`flowyard profile` of the engine as the servers will run it (quick grid, `passes` passes:
+    one pass's samples scatter by ~20 % on this VM)."""
+    cmd = [sys.executable, "-m", "flowyard.cli", "profile", "--quick", "--passes", str(passes), "--out", str(path)]
     env = None
     if threads is not None:  # a Ray actor runs its engine on one thread
         import os
@@ -118,9 +119,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="served model (default: the embedded SmolLM2-135M)")
     ap.add_argument("--slo-factor", type=float, default=4.0,
                     help="SLOs as this many times the engine's own step (TPOT) and prefill (TTFT) (default 4)")
-    ap.add_argument("--no-reprofile", dest="reprofile", action="store_false",
-                    help="use the first profile for every policy (default: profile again before each "
-                         "policy's runs, since this machine's speed drifts)")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="profile again before each policy's runs and simulate it with that profile "
+                         "(default: the run's one profile for every policy, whose age each row records)")
+    ap.add_argument("--profile-passes", type=int, default=3,
+                    help="passes over the profile's grid, median kept (default 3)")
     ap.add_argument("--sim-only", action="store_true",
                     help="measure nothing real: print the simulator's goodput per workload and policy, and "
                          "flowyard over the best other (to choose workloads where scheduling matters)")
@@ -159,7 +162,7 @@ def main() -> None:
         prof_path = work / f"profile-{executor}.json"
         if not prof_path.exists():
             print(f"profiling the engine for {executor} ...", file=sys.stderr, flush=True)
-            profile_engine(prof_path, 1 if executor == "ray" else None)
+            profile_engine(prof_path, 1 if executor == "ray" else None, args.profile_passes)
         cost = ProfiledCostModel(str(prof_path))
         slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
@@ -169,15 +172,17 @@ def main() -> None:
         for policy in policies:
             if all((executor, policy, name) in have for name in ws):
                 continue
-            # The machine's speed drifts (a VM moved to another host ran the same steps up to
-            # 1.4x slower than the evening before): each policy's server and simulation get a
-            # profile made just before its runs; the SLOs stay those of the first profile.
+            # The machine's speed drifts between sessions (the same steps cost 1.16-1.29x more
+            # than the evening before), so a resumed run's profile may describe another day's
+            # machine: rows record its age. --reprofile gives each policy its own profile, made
+            # just before its runs (the SLOs stay those of the first).
             pol_path = work / f"profile-{executor}-{policy}.json"
             if args.reprofile and not pol_path.exists():
                 print(f"profiling the engine before {policy} ...", file=sys.stderr, flush=True)
-                profile_engine(pol_path, 1 if executor == "ray" else None)
+                profile_engine(pol_path, 1 if executor == "ray" else None, args.profile_passes)
             if not args.reprofile:
                 pol_path = prof_path
+            age_min = (time.time() - pol_path.stat().st_mtime) / 60
             pcost = ProfiledCostModel(str(pol_path))
             speed = machine_speed(pcost, cost)
             with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
@@ -195,7 +200,8 @@ def main() -> None:
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve,
                                  "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision(),
-                                 "profile": pol_path.name, "step_price_vs_slo_profile": speed})
+                                 "profile": pol_path.name, "step_price_vs_slo_profile": speed,
+                                 "profile_age_min": round(age_min, 1)})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
                           f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))

@@ -163,6 +163,14 @@ def _rows_revisions(rows: list[dict], rev: str) -> str:
     return "Rows measured at: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items()) + "."
 
 
+def _profile_cell(r: dict) -> str:
+    if "profile_age_min" not in r:
+        return "—"
+    age = f"{r['profile_age_min']:.0f} min old"
+    own = r.get("profile", "").count("-") > 1  # profile-<executor>-<policy>.json: made for this row
+    return f"{age}, {r['step_price_vs_slo_profile']:.2f}×" if own else age
+
+
 def _span(lo: float, hi: float) -> str:
     return f"{lo:.3f} – {'∞' if not math.isfinite(hi) else f'{hi:.3f}'}"
 
@@ -186,13 +194,13 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
               "above it that did not (∞: no rate above failed); the simulated one with a finer search. "
               "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "
-              "its error, 0 when it is inside. \"Step price\" is what the engine's steps cost, when the "
-              "profile that row's simulation used was made just before its real runs, relative to the profile "
-              "the SLOs came from (above 1: the machine was slower then; — : the row used the SLOs' profile).", ""]
-    lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside", "step price"],
+              "its error, 0 when it is inside. \"Profile\" is the age of the profile that row's simulation "
+              "used when its real runs began, and, where it was made for that row (`--reprofile`), what its "
+              "steps cost relative to the profile the SLOs came from (above 1: the machine was slower then).", ""]
+    lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside", "profile"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", _span(*bracket(r)),
                             f"{r['sim_goodput']:.3f}", _pct(distance(r["sim_goodput"], *bracket(r))),
-                            f"{r['step_price_vs_slo_profile']:.2f}×" if r.get("step_price_vs_slo_profile") else "—"]
+                            _profile_cell(r)]
                            for r in rows]))
     lines += ["", "## Attainment curves", "",
               "Every rate each search tried (req/s: share of requests within both SLOs). With few requests a point "

@@ -144,3 +144,20 @@ def test_the_profiler_runs_the_engines_code_path(tmp_path, attention):
     profiled = _engine_calls(lambda: time_point(scratch, point, repeats=1))
     assert real - ENTRY and real - ENTRY == profiled - ENTRY - {("profiler.py", "grid_plan")}
     assert scratch.kv.num_used_blocks == 0  # the scratch KV is handed back
+
+
+def test_passes_keep_each_operators_median_over_the_passes(tmp_path, monkeypatch):
+    """A slow minute on a shared machine skews one pass, not the profile: with three passes a
+    point's operator times are the median of the three passes' times."""
+    import flowyard.engine.profiler as prof
+
+    d, _ = make_tiny_model(tmp_path, "llama")
+    engine = LLMEngine.from_path(str(d), EngineConfig(dtype="float32"))
+    grid = default_grid(quick=True)[:2]
+    seen = iter([1.0, 5.0, 100.0, 2.0, 3.0, 4.0])  # pass 1: points a, b; pass 2: a, b; pass 3: a, b
+    monkeypatch.setattr(prof, "time_point", lambda runner, point, repeats: {"qkv_proj": next(seen)})
+    out = run_profile(engine.runner, grid=grid, repeats=1, passes=3, name="tiny")
+    assert [s["times"]["qkv_proj"] for s in out["samples"]] == [3.0, 4.0]  # medians of (1, 100, 3), (5, 2, 4)
+    assert out["passes"] == 3 and out["repeats"] == 1
+    with pytest.raises(ValueError, match="passes"):
+        run_profile(engine.runner, grid=grid, passes=0)

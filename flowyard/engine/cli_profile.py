@@ -16,6 +16,9 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                    help="profile the engine with quantised linears (as serve --quantization)")
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median kept)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="time the whole grid this many times and keep each operator's median over the passes "
+                        "(steadier on a shared machine, where a slow minute skews one point's back-to-back repeats)")
     p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB",
                    help="KV cache the profiled instance would have (its simulated capacity)")
     p.set_defaults(func=cmd_profile)
@@ -29,8 +32,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from flowyard.engine.llm_engine import LLMEngine
     from flowyard.engine.profiler import default_grid, measure_engine_overhead, run_profile, save_profile
 
-    if args.repeats < 1:
-        raise ValueError("--repeats must be at least 1")
+    if args.repeats < 1 or args.passes < 1:
+        raise ValueError("--repeats and --passes must be at least 1")
     from flowyard.cliargs import check_output_path
 
     check_output_path(args.out, "--out")  # before minutes of measuring
@@ -40,7 +43,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"flowyard: profiling {engine.model_name} ({args.dtype}) over {len(grid)} batch shapes ...",
           file=sys.stderr)
     progress = (lambda i, n: print(f"  {i}/{n}", file=sys.stderr, end="\r")) if sys.stderr.isatty() else None
-    prof = run_profile(engine.runner, grid=grid, repeats=args.repeats, name=engine.model_name, progress=progress)
+    prof = run_profile(engine.runner, grid=grid, repeats=args.repeats, name=engine.model_name, progress=progress,
+                       passes=args.passes)
     prof["kv_capacity_tokens"] = engine.kv.capacity_tokens
     prof["engine_overhead_s"] = measure_engine_overhead(engine)
     save_profile(prof, args.out)

@@ -127,21 +127,31 @@ def time_point(runner: ModelRunner, point: GridPoint, repeats: int = 3) -> dict[
 
 
 def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, repeats: int = 3,
-                name: str = "model", progress=None) -> dict:
+                name: str = "model", progress=None, passes: int = 1) -> dict:
     """Time every grid point on a scratch copy of `runner` (an engine's `runner`: the profile
-    then describes exactly the steps that engine runs)."""
+    then describes exactly the steps that engine runs).
+
+    `passes` > 1 times the whole grid that many times and keeps each operator's median over
+    the passes. Repeats of one point run back to back, so a slow minute on a shared VM skews
+    all of them alike; passes spread each point's runs over the profile's whole duration.
+    Measured on the 2-core VM: two one-pass quick profiles made within the hour priced the same
+    sample up to 1.4x apart (per-sample spread of their log ratio about 0.2)."""
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     model = runner.model
     limit = model.rope.cos.shape[0]  # positions the model supports
     grid = [p for p in (grid or default_grid())
             if all(h + n <= limit for h, n in p.prefill) and all(c <= limit for c in p.decode)]
     scratch = scratch_runner(runner, max(_blocks_needed(p, runner.bs) for p in grid))
-    samples = []
-    for i, point in enumerate(grid):
-        shape = BatchShape.of(point.prefill, point.decode)
-        times = time_point(scratch, point, repeats)
-        samples.append({"shape": asdict(shape), "times": times})
-        if progress:
-            progress(i + 1, len(grid))
+    runs: list[list[dict[str, float]]] = [[] for _ in grid]
+    for k in range(passes):
+        for i, point in enumerate(grid):
+            runs[i].append(time_point(scratch, point, repeats))
+            if progress:
+                progress(k * len(grid) + i + 1, passes * len(grid))
+    samples = [{"shape": asdict(BatchShape.of(point.prefill, point.decode)),
+                "times": {op: statistics.median(r[op] for r in rs) for op in rs[0]}}
+               for point, rs in zip(grid, runs)]
     cfg = model.cfg
     kv_dtype = runner.kv_cache.dtype
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
@@ -153,7 +163,7 @@ def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, rep
         "num_layers": cfg.num_layers, "kv_bytes_per_token": kv_bytes, "block_size": runner.bs,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},
-        "samples": samples,
+        "repeats": repeats, "passes": passes, "samples": samples,
     }
 
 
