@@ -87,6 +87,10 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     assert fill(text, vals) == "median <!-- gen:fid-cv-median -->11.4 %<!-- /gen:fid-cv-median --> here"
     with pytest.raises(ValueError, match="nope"):
         fill("<!-- gen:nope -->1<!-- /gen:nope -->", vals)
+    wide = REAL.replace("| sim outside |", "| sim outside | profile |").replace("|---|---|---|---|---|---|", "|---|---|---|---|---|---|---|")
+    wide = wide.replace("| +0% |", "| +0% | 3 min old |").replace("| -20% |", "| -20% | 9 min old |")
+    (tmp_path / "real_cluster.md").write_text(wide)  # a column after 'sim outside' (the profile's age)
+    assert values(tmp_path)["rc-inside"] == "1 of 2"
     (tmp_path / "real_cluster.md").write_text("# empty\n")
     with pytest.raises(ValueError, match="real-cluster"):
         values(tmp_path)

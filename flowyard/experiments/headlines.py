@@ -34,11 +34,14 @@ def _real_cluster(md: str) -> dict[str, str]:
     if not ratios:
         raise ValueError("real-cluster report: no 'flowyard / best other' verdict")
     spans = [s.strip() for r in ratios for s in re.findall(r"[a-z-]+ ([\d.]+×–[\d.∞]+×?(?: \(over \d+ of \d+ others\))?)", r)]
-    cells = [line.split("|") for line in md.splitlines()
+    lines = md.splitlines()
+    cells = [line.split("|") for line in lines
              if re.match(r"^\| (local|ray) \| [a-z-]+ \| `[a-z0-9-]+` \| [\d.]+ – [\d.∞]+ \|", line)]
-    if not cells or not spans:
+    header = next((line.split("|") for line in lines if "| sim outside |" in line), None)
+    if not cells or not spans or header is None:
         raise ValueError("real-cluster report: no goodput table")
-    inside = sum(1 for c in cells if c[-2].strip() == "+0%")
+    col = [c.strip() for c in header].index("sim outside")  # later columns may follow it
+    inside = sum(1 for c in cells if c[col].strip() == "+0%")
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}"}
 
 
