@@ -235,6 +235,19 @@ def timed(fn, reps: int, sync) -> float:
     return ts[len(ts) // 2]
 
 
+def graph_of(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured in a CUDA graph (run once on a side stream first, as capture requires)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def measure(case: dict, m: Model, reps: int, graphs: bool) -> dict:
     cuda = m.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -245,15 +258,8 @@ def measure(case: dict, m: Model, reps: int, graphs: bool) -> dict:
         eager = timed(step, reps, sync)
         graph = None
         if graphs and cuda:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g):
-                    step()
+                g = graph_of(step)
             except Exception as e:  # a kernel that cannot be captured: eager time only
                 print(f"no CUDA graph for {case}: {type(e).__name__}: {e}", flush=True)
             else:

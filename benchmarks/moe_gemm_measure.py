@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gpu_steps_measure import SHAPES, TINY_MOE, Model, moe, timed
+from gpu_steps_measure import SHAPES, TINY_MOE, Model, graph_of, moe, timed
 
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -31,14 +31,7 @@ def graphed(fn, reps: int, cuda: bool) -> float:
         fn()
     if not cuda:
         return 1e3 * timed(fn, reps, sync)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = graph_of(fn)
     for _ in range(3):
         g.replay()
     return 1e3 * timed(g.replay, reps, sync)
