@@ -167,7 +167,7 @@ def _profile_cell(r: dict) -> str:
     if "profile_age_min" not in r:
         return "—"
     age = f"{r['profile_age_min']:.0f} min old"
-    own = r.get("profile", "").count("-") > 1  # profile-<executor>-<policy>.json: made for this row
+    own = r.get("profile") != f"profile-{r['executor']}.json"  # not the run's one profile: made for this row
     return f"{age}, {r['step_price_vs_slo_profile']:.2f}×" if own else age
 
 
