@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               make_workload, real_point, sim_point, write_report)
+from real_cluster_points import add_point, parse_add_rates  # noqa: E402
 
 from flowyard.experiments.report import source_revision  # noqa: E402
 
@@ -105,6 +106,51 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
     return "\n".join(lines)
 
 
+def add_rates(args) -> None:
+    """`--add-rates`: more real points for finished rows, with the run's SLOs and workloads."""
+    try:
+        wanted = parse_add_rates(args.add_rates)
+    except ValueError as e:
+        sys.exit(f"real_cluster: {e}")
+    work = Path(args.work_dir or "")
+    if args.work_dir is None or not (work / "rows.json").exists() or not (work / "meta.json").exists():
+        sys.exit("real_cluster: --add-rates needs a --work-dir with rows.json and meta.json from an earlier run")
+    rows, meta = json.loads((work / "rows.json").read_text()), json.loads((work / "meta.json").read_text())
+    executors = args.executors.split(",")
+    targets = [r for r in rows if r["executor"] in executors and r["policy"] in wanted
+               and (args.workloads is None or r["workload"] in args.workloads.split(","))]
+    missing = sorted(set(wanted) - {r["policy"] for r in targets})
+    if missing:
+        sys.exit(f"real_cluster: --add-rates: no measured row for {missing} in {work}/rows.json")
+    cfg = ExperimentConfig(requests=meta["requests_per_point"], model=args.model)
+    for executor in sorted({r["executor"] for r in targets}):
+        cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        slos = engine_slos(cost, meta["slo_factor"])
+        # the machine's speed now against the run's profile: an added point is comparable to
+        # the search's points only if the machine has not drifted far since
+        now_path = work / f"profile-{executor}-added-{time.strftime('%Y%m%d%H%M%S')}.json"
+        print(f"profiling the engine for {executor} before the added rates ...", file=sys.stderr, flush=True)
+        profile_engine(now_path, 1 if executor == "ray" else None, args.profile_passes)
+        speed = machine_speed(ProfiledCostModel(str(now_path)), cost)
+        for policy, rates in wanted.items():
+            mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
+            if not mine:
+                continue
+            with Server(policy, executor, work / f"profile-{executor}.json", cfg.model,
+                        work / f"serve-{policy}-{executor}-added.log") as url:
+                for row in mine:
+                    w = make_workload(row["workload"], cfg.requests, slos, cost)
+                    for rate in rates:
+                        got = real_point(url, w, rate, slos)["attainment"]
+                        add_point(row, rate, got, source_revision(), speed)
+                        print(f"{executor:>5} {policy:>12} {row['workload']:>11}: {rate:.3f} req/s -> {got:.0%}; "
+                              f"goodput now {row['real_goodput']:.3f}", file=sys.stderr, flush=True)
+                    (work / "rows.json").write_text(json.dumps(rows, indent=1))
+    meta.setdefault("added_commands", []).append(" ".join(sys.argv))
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(f"wrote {write_report(rows, meta, Path(args.out))}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 policies, 1 workload, few requests, one executor")
@@ -127,6 +173,9 @@ def main() -> None:
     ap.add_argument("--sim-only", action="store_true",
                     help="measure nothing real: print the simulator's goodput per workload and policy, and "
                          "flowyard over the best other (to choose workloads where scheduling matters)")
+    ap.add_argument("--add-rates", default=None, metavar="POLICY=RATE[/RATE],...",
+                    help="measure these rates more for rows already in --work-dir, to decide a verdict a "
+                         "bracket leaves open (real_cluster_points.py); then write the report")
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
@@ -137,6 +186,9 @@ def main() -> None:
         meta = json.loads((work / "meta.json").read_text())
         path = write_report(json.loads((work / "rows.json").read_text()), meta, Path(args.out))
         print(f"wrote {path} from {work}", file=sys.stderr)
+        return
+    if args.add_rates is not None:
+        add_rates(args)
         return
     quick = args.quick
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")

@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from real_cluster_points import added_note
 from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
 
 from flowyard.bench.loadgen import cap_lengths
@@ -209,6 +210,7 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     lines.append(md_table(["executor", "workload", "policy", "real", "simulated"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", _curve(r["real_curve"]),
                             _curve(r["sim_curve"])] for r in rows]))
+    lines += added_note(rows)
     lines += ["", "## Per-request fidelity at a fixed rate", ""]
     lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
                            "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err"],

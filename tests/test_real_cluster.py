@@ -202,3 +202,27 @@ def test_machine_speed_compares_two_profiles_of_the_same_steps(tiny, tmp_path):
     doubled = tmp_path / "slow.json"
     doubled.write_text(json.dumps(slow))
     assert machine_speed(ProfiledCostModel(str(doubled)), cost) == pytest.approx(2.0, rel=0.05)
+
+
+def test_added_rates_narrow_a_bracket_and_a_lucky_point_cannot_raise_it():
+    import json
+
+    import real_cluster_points as pts
+
+    assert pts.parse_add_rates("flowprefill=1.9/2.0, flowyard=2.3") == {"flowprefill": [1.9, 2.0], "flowyard": [2.3]}
+    for bad in ("flowprefill", "=1.9", "flowprefill=fast", "flowprefill=-1", "", "x=nan"):
+        with pytest.raises(ValueError, match="add-rates"):
+            pts.parse_add_rates(bad)
+    # the rule gives every committed search's own goodput back
+    for d in ("real_cluster_conv_short", "real_cluster_conv_short_ray"):
+        for r in json.loads((ROOT / "benchmarks/results" / d / "rows.json").read_text()):
+            assert pts.goodput_of(r["real_curve"]) == pytest.approx(r["real_goodput"]), (d, r["policy"])
+    row = {"executor": "local", "workload": "w", "policy": "p", "real_goodput": 1.46,
+           "real_curve": [[0.58, 1.0], [1.46, 1.0], [2.19, 0.83]]}
+    pts.add_point(row, 1.9, 0.75, "abc1234", 1.02)  # a miss inside the bracket narrows it
+    assert rc.bracket(row) == (1.46, 1.9) and row["added"][0]["revision"] == "abc1234"
+    pts.add_point(row, 3.0, 1.0, "abc1234", 1.02)  # a met rate above a miss raises nothing
+    assert row["real_goodput"] == 1.46
+    pts.add_point(row, 1.46, 0.5, "abc1234", 1.02)  # the same rate missed once: a miss there
+    assert rc.bracket(row) == (0.58, 1.46)
+    assert any("1.900 req/s → 75%" in line for line in pts.added_note([row]))
