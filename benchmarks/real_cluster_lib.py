@@ -190,7 +190,8 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              + (f"{meta['wall_s'] / 60:.1f} min." if meta.get("wall_s") else "not recorded (a resumed run)."),
              f"Command: `{meta['command']}`. SLOs from the engine's profile: TPOT {meta['slos']['tpot_s'] * 1e3:.0f} ms, "
              f"TTFT by prompt length `{meta['slos']['ttft_by_length']}` (s). Workloads: "
-             + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items()), "",
+             + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items())
+             + "".join(f" Then: `{c}`." for c in meta.get("added_commands", [])), "",
              "## Verdicts", "", *verdicts(rows, len(POLICIES)), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
               "above it that did not (∞: no rate above failed); the simulated one with a finer search. "
