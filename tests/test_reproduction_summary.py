@@ -78,6 +78,7 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_short.md").write_text(REAL.replace("0.00×–1.94×", "2.36×–4.00× (over 1 of 6 others)"))
     (tmp_path / "real_cluster_conv_short_ray.md").write_text(REAL.replace("0.00×–1.94×", "1.27×–1.47×"))
+    (tmp_path / "real_cluster_conv_mixed.md").write_text(REAL)
     vals = values(tmp_path)
     assert vals["short-rc-ratio"] == "2.36×–4.00× (over 1 of 6 others)" and vals["short-ray-rc-ratio"] == "1.27×–1.47×"
     assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"

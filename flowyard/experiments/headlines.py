@@ -49,7 +49,8 @@ def _real_cluster(md: str) -> dict[str, str]:
 SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "fidelity_published.md": (_fidelity, ""), "real_cluster.md": (_real_cluster, ""),
     "real_cluster_conv_short.md": (_real_cluster, "short-"),
-    "real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-")}
+    "real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-"),
+    "real_cluster_conv_mixed.md": (_real_cluster, "mixed-")}
 
 
 def values(results: Path) -> dict[str, str]:
