@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 
-TARGET = 0.9  # as real_cluster_verdicts.TARGET
+from real_cluster_verdicts import TARGET
 
 
 def parse_add_rates(spec: str) -> dict[str, list[float]]:
