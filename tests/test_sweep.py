@@ -120,3 +120,36 @@ def test_rounds_ask_everything_then_repeat() -> None:
 
 def test_bad_sweep_flags() -> None:
     assert main([*GOODPUT, "--ray-workers", "0"]) == 2
+
+
+def test_digests_do_not_keep_every_workload_alive() -> None:
+    """A reproduction hashes thousands of workloads (a Ray pass builds them again): the digest
+    memo must not hold them all. Found when `reproduce all --ray` grew to 16 GB."""
+    import gc
+    import tracemalloc
+
+    from flowyard.sweep.runner import digest
+    from flowyard.workloads import fixed_shape
+
+    def one_round(seed: int) -> None:
+        w = fixed_shape(64, 8, 500, rate=1.0, seed=seed)
+        assert digest(w) == digest(w)  # memoised while it lives
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        one_round(0)  # warm: first-call allocations are not a workload's
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        one_round(1)
+        gc.collect()
+        size = tracemalloc.get_traced_memory()[0] - base  # one more workload held by the memo
+        for seed in range(2, 200):
+            one_round(seed)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert size > 0 and kept < 100 * size, f"{kept / size:.0f} workloads' worth kept after 200"
+    w = fixed_shape(64, 8, 500, rate=1.0, seed=1)
+    assert digest(w) == digest(fixed_shape(64, 8, 500, rate=1.0, seed=1))  # content, not identity

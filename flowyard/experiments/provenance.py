@@ -69,11 +69,13 @@ def git_state(root: Path | None = None, paths: tuple[str, ...] = SOURCE_PATHS) -
 def machine() -> dict[str, Any]:
     """The machine a run used: enough to tell two runs' machines apart and compare wall times."""
     cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    try:  # a VM's model name can be as vague as "AMD EPYC": family and model tell hosts apart
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+                    .split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = info.get("model name", cpu)
+        if "cpu family" in info and "model" in info:
+            cpu += f" (family {info['cpu family']} model {info['model']})"
     except OSError:
         pass
     return {"host": platform.node(), "system": f"{platform.system()} {platform.release()}",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -133,13 +134,16 @@ class Sweep:
             self._started_ray = True
         task = ray.remote(num_cpus=1)(_call)
         futures = {task.remote(fn, *[self._ref(a) for a in args]): key for key, (fn, args) in wanted.items()}
-        while futures:
-            done, _ = ray.wait(list(futures), num_returns=1)
-            key = futures.pop(done[0])
-            self._store(key, ray.get(done[0]))
+        try:
+            while futures:
+                done, _ = ray.wait(list(futures), num_returns=1)
+                key = futures.pop(done[0])
+                self._store(key, ray.get(done[0]))
+        finally:  # the next pass builds its workloads anew: holding these would only leak them
+            self._refs.clear()
 
     def _ref(self, arg: Any) -> Any:
-        """Large arguments (workloads, cost models) go to the object store once per sweep."""
+        """Large arguments (workloads, cost models) go to the object store once per round."""
         from flowyard.workloads import Workload
 
         if not isinstance(arg, Workload):
@@ -164,19 +168,26 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-_digests: dict[int, tuple[object, str]] = {}
+# the last few workloads hashed, by identity: a sweep asks for the same workload's digest once
+# per point, and a whole reproduction builds thousands of workloads (a pass of a Ray sweep
+# builds them again), so the memo must not keep them all alive
+_digests: OrderedDict[int, tuple[object, str]] = OrderedDict()
+DIGEST_MEMO = 64
 
 
 def digest(workload) -> str:
     """A content hash of a workload's requests (cache keys name workloads by what they hold)."""
     hit = _digests.get(id(workload))
     if hit is not None and hit[0] is workload:
+        _digests.move_to_end(id(workload))
         return hit[1]
     h = hashlib.sha256(workload.name.encode())
     for r in workload.requests:
         h.update(repr(r).encode())
     d = h.hexdigest()
     _digests[id(workload)] = (workload, d)
+    while len(_digests) > DIGEST_MEMO:
+        _digests.popitem(last=False)
     return d
 
 
