@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, eng
                               make_workload, real_point, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates  # noqa: E402
 
+from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
 
 from flowyard.core.goodput import goodput_search  # noqa: E402
@@ -259,7 +259,8 @@ def main() -> None:
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
     if args.sim_only:
         return
-    meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": platform.processor() or platform.machine(),
+    host = machine()  # the VM's host changes between sessions: family and model tell them apart
+    meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": f"{host['arch']}, {host['cpu']}",
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
             "requests_per_point": cfg.requests}
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
