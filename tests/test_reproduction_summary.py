@@ -73,7 +73,22 @@ REAL = """- local: flowyard / best other real goodput: conv-mixed 0.00×–1.94�
 """
 
 
+SCALE = """## Targets
+
+| target | measured | met |
+|---|---|---|
+| vllm: 19,366 req on 256 instances <= 1.5x the wall on 8 | wall x0.81 (CPU x0.79) | yes |
+| vllm: 1 M req on 1,000 instances <= 300 s | CPU 159 s, wall 160 s (measured; peak RSS 2.9 GiB) | yes (CPU) |
+| arrow: 19,366 req on 256 instances <= 1.5x the wall on 8 | wall x1.18 (CPU x1.20) | yes |
+| arrow: 1 M req on 1,000 instances <= 600 s | CPU 1,413 s, wall 6,301 s (EXTRAPOLATED linearly from 100,000 requests, not measured; peak RSS 3.7 GiB at that rate, an upper bound) | no (CPU) |
+"""
+
+
 def test_readme_numbers_are_read_from_the_reports(tmp_path):
+    root, tmp_path = tmp_path, tmp_path / "docs" / "results"  # the benchmark reports sit beside docs/
+    tmp_path.mkdir(parents=True)
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    (root / "benchmarks" / "results" / "sim_scaling.md").write_text(SCALE)
     (tmp_path / "fidelity_published.md").write_text(FIDELITY)
     (tmp_path / "real_cluster.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_short.md").write_text(REAL.replace("0.00×–1.94×", "2.36×–4.00× (over 1 of 6 others)"))
@@ -85,6 +100,8 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"
     assert vals["fid-targets"].endswith("missed (7 points above)")
     assert vals["rc-ratio"] == "0.00×–1.94×" and vals["rc-inside"] == "1 of 2"
+    assert vals["scale-256"] == "0.79–1.20×" and vals["scale-1m-rss"] == "2.9–2.9 GiB"
+    assert vals["scale-1m"] == "`vllm` 159 s, `arrow` 1,413 s (extrapolated)" and vals["scale-1m-met"] == "not met for arrow"
     text = "median <!-- gen:fid-cv-median -->9 %<!-- /gen:fid-cv-median --> here"
     assert fill(text, vals) == "median <!-- gen:fid-cv-median -->11.4 %<!-- /gen:fid-cv-median --> here"
     with pytest.raises(ValueError, match="nope"):

@@ -45,8 +45,26 @@ def _real_cluster(md: str) -> dict[str, str]:
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}"}
 
 
-# report -> (its parser, the prefix its numbers' names get in the README)
+def _scale(md: str) -> dict[str, str]:
+    """The issue-31 targets of benchmarks/results/sim_scaling.md: the CPU cost of 256 instances
+    over 8, and each policy's 1 M-request run on 1,000 instances (measured or extrapolated)."""
+    ratios = [float(x) for x in re.findall(r"^\| [a-z-]+: 19,366 req on 256 instances .*?\(CPU x([\d.]+)\)", md, re.M)]
+    big = re.findall(r"^\| ([a-z-]+): 1 M req on 1,000 instances <= [\d,]+ s \| CPU ([\d,]+) s, wall [\d,]+ s "
+                     r"\((measured|EXTRAPOLATED)[^|]*?peak RSS ([\d.]+) GiB[^|]*\| (yes|no) \(CPU\) \|", md, re.M)
+    if not ratios or not big:
+        raise ValueError("scaling report: no targets table")
+    runs = ", ".join(f"`{p}` {cpu} s" + ("" if how == "measured" else " (extrapolated)") for p, cpu, how, _, _ in big)
+    measured = [float(rss) for _, _, how, rss, _ in big if how == "measured"]
+    missed = [p for p, _, _, _, ok in big if ok != "yes"]
+    return {"scale-256": f"{min(ratios):.2f}–{max(ratios):.2f}×", "scale-1m": runs,
+            "scale-1m-rss": f"{min(measured):.1f}–{max(measured):.1f} GiB" if measured else "not measured",
+            "scale-1m-met": "met for all " + str(len(big)) if not missed else "not met for " + ", ".join(missed)}
+
+
+# report (a path under docs/results, or under benchmarks/results with that prefix) -> (its
+# parser, the prefix its numbers' names get in the README)
 SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
+    "benchmarks/results/sim_scaling.md": (_scale, ""),
     "fidelity_published.md": (_fidelity, ""), "real_cluster.md": (_real_cluster, ""),
     "real_cluster_conv_short.md": (_real_cluster, "short-"),
     "real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-"),
@@ -54,10 +72,12 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
 
 
 def values(results: Path) -> dict[str, str]:
-    """Every generated README number, from the reports under `results`."""
+    """Every generated README number, from the reports under `results` (docs/results; the
+    benchmark reports are read from the checkout that holds it)."""
     out: dict[str, str] = {}
     for name, (parse, prefix) in SOURCES.items():
-        out.update({prefix + k: v for k, v in parse((results / name).read_text()).items()})
+        path = results.parents[1] / name if name.startswith("benchmarks/") else results / name
+        out.update({prefix + k: v for k, v in parse(path.read_text()).items()})
     return out
 
 
