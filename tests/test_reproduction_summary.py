@@ -94,12 +94,15 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_short.md").write_text(REAL.replace("0.00×–1.94×", "2.36×–4.00× (over 1 of 6 others)"))
     (tmp_path / "real_cluster_conv_short_ray.md").write_text(REAL.replace("0.00×–1.94×", "1.27×–1.47×"))
     (tmp_path / "real_cluster_conv_mixed.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_short_zen5.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_mixed_zen5.md").write_text(REAL.replace("0.00×–1.94×", "0.90×–1.10×"))
     vals = values(tmp_path)
     assert vals["short-rc-ratio"] == "2.36×–4.00× (over 1 of 6 others)" and vals["short-ray-rc-ratio"] == "1.27×–1.47×"
     assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"
     assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"
     assert vals["fid-targets"].endswith("missed (7 points above)")
     assert vals["rc-ratio"] == "0.00×–1.94×" and vals["rc-inside"] == "1 of 2"
+    assert vals["z5-mixed-rc-ratio"] == "0.90×–1.10×" and vals["z5-short-rc-inside"] == "1 of 2"
     assert vals["scale-256"] == "0.79–1.20×" and vals["scale-1m-rss"] == "2.9–2.9 GiB"
     assert vals["scale-1m"] == "`vllm` 159 s, `arrow` 1,413 s (extrapolated)" and vals["scale-1m-met"] == "not met for arrow"
     text = "median <!-- gen:fid-cv-median -->9 %<!-- /gen:fid-cv-median --> here"
