@@ -61,26 +61,25 @@ def _scale(md: str) -> dict[str, str]:
             "scale-1m-met": "met for all " + str(len(big)) if not missed else "not met for " + ", ".join(missed)}
 
 
-# report (a path under docs/results, or under benchmarks/results with that prefix) -> (its
-# parser, the prefix its numbers' names get in the README)
+# report (its path in the checkout) -> (its parser, the prefix its numbers' names get in the README)
 SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "benchmarks/results/sim_scaling.md": (_scale, ""),
-    "fidelity_published.md": (_fidelity, ""), "real_cluster.md": (_real_cluster, ""),
-    "real_cluster_conv_short.md": (_real_cluster, "short-"),
-    "real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-"),
-    "real_cluster_conv_mixed.md": (_real_cluster, "mixed-"),
+    "docs/results/fidelity_published.md": (_fidelity, ""), "docs/results/real_cluster.md": (_real_cluster, ""),
+    "docs/results/real_cluster_conv_short.md": (_real_cluster, "short-"),
+    "docs/results/real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-"),
+    "docs/results/real_cluster_conv_mixed.md": (_real_cluster, "mixed-"),
     # the same runs on a Zen 5 host, where the engine's steps are several times faster
-    "real_cluster_conv_short_zen5.md": (_real_cluster, "z5-short-"),
-    "real_cluster_conv_mixed_zen5.md": (_real_cluster, "z5-mixed-")}
+    "docs/results/real_cluster_conv_short_zen5.md": (_real_cluster, "z5-short-"),
+    "docs/results/real_cluster_conv_mixed_zen5.md": (_real_cluster, "z5-mixed-")}
 
 
 def values(results: Path) -> dict[str, str]:
-    """Every generated README number, from the reports under `results` (docs/results; the
-    benchmark reports are read from the checkout that holds it)."""
+    """Every generated README number, from the reports of the checkout whose docs/results is
+    `results`."""
+    root = results.parents[1]
     out: dict[str, str] = {}
     for name, (parse, prefix) in SOURCES.items():
-        path = results.parents[1] / name if name.startswith("benchmarks/") else results / name
-        out.update({prefix + k: v for k, v in parse(path.read_text()).items()})
+        out.update({prefix + k: v for k, v in parse((root / name).read_text()).items()})
     return out
 
 

@@ -70,9 +70,8 @@ def machine() -> dict[str, Any]:
     """The machine a run used: enough to tell two runs' machines apart and compare wall times."""
     cpu = platform.processor()
     try:  # a VM's model name can be as vague as "AMD EPYC": family and model tell hosts apart
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text(encoding="utf-8")
-                    .split("\n\n")[0].splitlines() if ":" in line)
-        info = {k.strip(): v.strip() for k, v in info.items()}
+        first = Path("/proc/cpuinfo").read_text(encoding="utf-8").split("\n\n")[0]  # one CPU's block
+        info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
         cpu = info.get("model name", cpu)
         if "cpu family" in info and "model" in info:
             cpu += f" (family {info['cpu family']} model {info['model']})"
