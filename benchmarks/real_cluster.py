@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              make_workload, real_point, sim_point, write_report)
+                              fit_serving_run, make_workload, real_point, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
@@ -170,6 +170,10 @@ def main() -> None:
                          "(default: the run's one profile for every policy, whose age each row records)")
     ap.add_argument("--profile-passes", type=int, default=3,
                     help="passes over the profile's grid, median kept (default 3)")
+    ap.add_argument("--fit-serving", default=None, metavar="WORKLOAD",
+                    help="before any row: serve WORKLOAD once (vllm, at its fixed rate, in one process) with a "
+                         "timeline, fit what serving adds to the profile's steps on it, and run every server and "
+                         "simulation with that profile (flowyard.costmodel.serving); local executor only")
     ap.add_argument("--sim-only", action="store_true",
                     help="measure nothing real: print the simulator's goodput per workload and policy, and "
                          "flowyard over the best other (to choose workloads where scheduling matters)")
@@ -194,7 +198,7 @@ def main() -> None:
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")
     workloads = (args.workloads or ("code-long" if quick else ",".join(WORKLOADS))).split(",")
     executors = args.executors.split(",") if not quick or args.executors != "local,ray" else ["local"]
-    bad = [p for p in workloads if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
+    bad = [p for p in workloads + ([args.fit_serving] if args.fit_serving else []) if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
     if bad:
         sys.exit(f"real_cluster: unknown workload or executor {bad}; workloads: {', '.join(WORKLOADS)}")
     if args.slo_factor <= 0:
@@ -210,6 +214,7 @@ def main() -> None:
     done = work / "rows.json"  # a rerun with the same --work-dir resumes: finished cells are kept
     rows: list[dict] = json.loads(done.read_text()) if done.exists() else []
     have = {(r["executor"], r["policy"], r["workload"]) for r in rows}
+    serving: dict | None = None
     for executor in executors:
         prof_path = work / f"profile-{executor}.json"
         if not prof_path.exists():
@@ -218,6 +223,15 @@ def main() -> None:
         cost = ProfiledCostModel(str(prof_path))
         slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
+        if args.fit_serving and executor == "local":  # SLOs stay those of the plain profile
+            served = work / "profile-local-served.json"
+            fit_path = work / "serving.json"
+            if not fit_path.exists():
+                print(f"fitting serving terms on {args.fit_serving} ...", file=sys.stderr, flush=True)
+                fw = make_workload(args.fit_serving, cfg.requests, slos, cost)
+                fit_path.write_text(json.dumps(fit_serving_run(fw, prof_path, served, slos, cfg.model, work)))
+            serving = json.loads(fit_path.read_text())
+            prof_path = served
         if args.sim_only:
             print(sim_table(ws, policies, cost, executor))
             continue
@@ -232,11 +246,17 @@ def main() -> None:
             if args.reprofile and not pol_path.exists():
                 print(f"profiling the engine before {policy} ...", file=sys.stderr, flush=True)
                 profile_engine(pol_path, 1 if executor == "ray" else None, args.profile_passes)
+                if prof_path.name.endswith("-served.json"):  # the fitted terms carry over
+                    prof = json.loads(pol_path.read_text())
+                    prof["serving"] = json.loads(prof_path.read_text())["serving"]
+                    pol_path.write_text(json.dumps(prof, indent=1))
             if not args.reprofile:
                 pol_path = prof_path
             age_min = (time.time() - pol_path.stat().st_mtime) / 60
             pcost = ProfiledCostModel(str(pol_path))
-            speed = machine_speed(pcost, cost)
+            plain = json.loads(pol_path.read_text())
+            plain.pop("serving", None)  # the machine's speed: forward passes against forward passes
+            speed = machine_speed(ProfiledCostModel(plain), cost)
             with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():
                     if (executor, policy, name) in have:
@@ -262,7 +282,7 @@ def main() -> None:
     host = machine()  # the VM's host changes between sessions: family and model tell them apart
     meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": f"{host['arch']}, {host['cpu']}",
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
-            "requests_per_point": cfg.requests}
+            "requests_per_point": cfg.requests, "serving": serving}
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)

@@ -156,6 +156,38 @@ class Server:
             self.proc.kill()
 
 
+def fit_serving_run(workload: "RealWorkload", profile: Path, out: Path, slos: EngineSLOs, model: str | None,
+                    work: Path, policy: str = "vllm") -> dict:
+    """One served run of `workload` at its fixed rate with a timeline, and the profile's serving
+    terms fitted on it (flowyard.costmodel.serving), written to `out` with the profile."""
+    from flowyard.costmodel.serving import fit_serving_files
+
+    tl = work / f"fit-serving-{workload.name}-{policy}.json"
+    srv = Server(policy, "local", profile, model, work / f"fit-serving-{policy}.log")
+    srv.cmd += ["--timeline", str(tl)]
+    with srv as url:
+        rp = real_point(url, workload, workload.fixed_rate, slos)
+    for _ in range(60):  # the server writes its timeline as it shuts down
+        if tl.exists():
+            break
+        time.sleep(1)
+    terms = fit_serving_files(profile, tl, out, client_ttft_p50=rp["ttft_p50"])
+    return {**terms.to_dict(), "workload": workload.name, "policy": policy, "rate": workload.fixed_rate}
+
+
+def serving_note(meta: dict) -> list[str]:
+    sv = meta.get("serving")
+    if not sv:
+        return []
+    return ["", f"Served-step terms (`--fit-serving`): fitted on one `{sv['policy']}` run of `{sv['workload']}` at "
+            f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
+            f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
+            f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
+            f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps. Every simulation "
+            "and every server below uses the profile with these terms; rows of that workload are the fit's own "
+            "workload (not a check of it)."]
+
+
 def _rows_revisions(rows: list[dict], rev: str) -> str:
     """Which revision measured which rows (a resumed run spans several)."""
     by: dict[str, list[str]] = {}
@@ -191,7 +223,7 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              f"Command: `{meta['command']}`. SLOs from the engine's profile: TPOT {meta['slos']['tpot_s'] * 1e3:.0f} ms, "
              f"TTFT by prompt length `{meta['slos']['ttft_by_length']}` (s). Workloads: "
              + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items())
-             + "".join(f" Then: `{c}`." for c in meta.get("added_commands", [])), "",
+             + "".join(f" Then: `{c}`." for c in meta.get("added_commands", [])), *serving_note(meta), "",
              "## Verdicts", "", *verdicts(rows, len(POLICIES)), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
               "above it that did not (∞: no rate above failed); the simulated one with a finer search. "

@@ -10,7 +10,9 @@ on step time. The others get a small linear form in the features that drive thei
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
   other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
 
-plus the engine's measured per-step time outside the forward pass (`engine_overhead_s`).
+plus the engine's measured per-step time outside the forward pass (`engine_overhead_s`), and,
+when the profile has a `serving` block (`flowyard.costmodel.serving`), what a served step adds:
+every time scaled by its `scale`, a cost per sampled row and per step, and a frontend latency.
 
 fitted by non-negative least squares on relative error (so 16-token and 2,048-token shapes
 count alike). The simulator then emulates this engine on this machine: `flowyard simulate
@@ -26,6 +28,7 @@ import numpy as np
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import LAYER_OPS, CostModel, Seconds
+from flowyard.costmodel.serving import ServingTerms
 
 
 GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -86,6 +89,11 @@ class ProfiledCostModel(CostModel):
         self.machine = profile.get("machine", {})
         self._capacity = kv_capacity_tokens or int(profile.get("kv_capacity_tokens", 16384))
         self.engine_overhead = float(profile.get("engine_overhead_s", 0.0))  # per step, outside forward
+        try:
+            self.serving = ServingTerms.from_dict(profile.get("serving", {}))
+        except ValueError as e:
+            raise ProfileError(f"profile's serving block: {e}") from None
+        self._k = self.serving.scale
         self.coef: dict[str, np.ndarray] = {}
         self.curve: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         tokens = np.array([float(s.tokens) for s in shapes])
@@ -118,10 +126,19 @@ class ProfiledCostModel(CostModel):
         return total
 
     def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
-        return {op: self._op(op, shape) for op in LAYER_OPS}
+        if self._k == 1.0:
+            return {op: self._op(op, shape) for op in LAYER_OPS}
+        return {op: self._op(op, shape) * self._k for op in LAYER_OPS}
 
     def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
-        return {"overhead": self._op("step_other", shape) + self.engine_overhead}
+        own = self._op("step_other", shape) + self.engine_overhead
+        sv = self.serving
+        if sv.scale == 1.0 and not sv.row_s and not sv.step_s:
+            return {"overhead": own}
+        return {"overhead": own * sv.scale + sv.row_s * (shape.prefill_seqs + shape.decode_seqs) + sv.step_s}
+
+    def frontend_latency(self) -> Seconds:
+        return self.serving.frontend_s
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes

@@ -21,10 +21,36 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                         "(steadier on a shared machine, where a slow minute skews one point's back-to-back repeats)")
     p.add_argument("--kv-cache-memory", type=int, default=384, metavar="MIB",
                    help="KV cache the profiled instance would have (its simulated capacity)")
+    p.add_argument("--serving-timeline", default=None, metavar="TIMELINE",
+                   help="measure nothing: fit what serving adds to the steps of --from's profile (per sampled "
+                        "row, per step, a scale) on this `flowyard serve --timeline` trace, and write the profile "
+                        "with those terms to --out (flowyard.costmodel.serving)")
+    p.add_argument("--from", dest="base", default=None, metavar="PROFILE",
+                   help="with --serving-timeline: the profile the served engine ran with")
+    p.add_argument("--client-ttft-ms", type=float, default=None,
+                   help="with --serving-timeline: the client's median TTFT of that run, for the frontend latency")
     p.set_defaults(func=cmd_profile)
 
 
+def cmd_fit_serving(args: argparse.Namespace) -> int:
+    from flowyard.cliargs import check_output_path
+    from flowyard.costmodel.serving import fit_serving_files
+
+    if args.base is None:
+        raise ValueError("--serving-timeline needs --from PROFILE: the profile the served engine ran with")
+    check_output_path(args.out, "--out")
+    ttft = args.client_ttft_ms / 1e3 if args.client_ttft_ms is not None else None
+    t = fit_serving_files(args.base, args.serving_timeline, args.out, client_ttft_p50=ttft)
+    print(f"served step = {t.scale:.3f} x profiled price + {t.row_s * 1e3:.3f} ms per sampled row "
+          f"+ {t.step_s * 1e3:.3f} ms per step; frontend {t.frontend_s * 1e3:.1f} ms "
+          f"({t.steps} steps; median |error| {t.median_error_before:.1%} -> {t.median_error_after:.1%})")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.serving_timeline is not None:
+        return cmd_fit_serving(args)
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel

@@ -1,0 +1,141 @@
+"""What serving adds to the steps a profile prices: fitted on a served run's timeline.
+
+`flowyard profile` times the engine's forward pass alone, in a tight loop. A step of a
+server also pays for what runs around it and beside it on the same cores: streaming each
+sampled token (detokenizing it, an SSE chunk, the client reading it), the serving loop
+between steps, and the client's own work stealing a core from the step's threads. On a slow
+engine that is noise; on a fast one it is a large share of every decode step (issue 30). So
+a profile may carry a `serving` block, fitted on one served run and then used for others:
+
+    served step = scale * profiled price + row_s * sampled rows + step_s
+    client TTFT = server TTFT + frontend_s
+
+The step includes the gap to the next step while the server is busy (the serving loop's
+share). `fit_serving` fits the three step terms by non-negative least squares on relative
+error over every step of a `flowyard serve --timeline` trace, pricing each step's exact batch
+shape (the timeline records it), and takes `frontend_s` from the client's and the server's
+TTFT medians. The fit names the run it came from (`fitted_on`), so a report can keep the
+fitted run apart from the ones it predicts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flowyard.core.plan import BatchShape
+from flowyard.costmodel.base import CostModel
+
+BUSY_GAP_S = 0.05  # a longer pause between steps means the server had nothing to run
+
+
+@dataclass(frozen=True)
+class ServingTerms:
+    scale: float = 1.0  # served step over the profiled price, beyond the per-row and per-step terms
+    row_s: float = 0.0  # seconds per sampled row per step (streaming its token)
+    step_s: float = 0.0  # seconds per step (the serving loop)
+    frontend_s: float = 0.0  # HTTP, tokenization and the first chunk's way back
+    fitted_on: str = ""
+    steps: int = 0  # served steps the fit saw
+    median_error_before: float = 0.0  # median |served / profiled - 1| over those steps
+    median_error_after: float = 0.0  # ... and with these terms
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServingTerms":
+        if not isinstance(d, dict):
+            raise ValueError(f"a serving block is a JSON object, got {d!r}")
+        try:
+            t = cls(**{k: (str(v) if k == "fitted_on" else int(v) if k == "steps" else float(v))
+                       for k, v in d.items() if k in cls.__dataclass_fields__})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed serving block {d}: {e}") from None
+        if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s) < 0:
+            raise ValueError(f"serving block needs scale > 0 and non-negative times, got {d}")
+        return t
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ServedStep:
+    shape: BatchShape
+    seconds: float  # the step plus the busy gap after it
+    rows: int  # rows that sampled a token
+
+
+def served_steps(trace: dict | list) -> list[ServedStep]:
+    """Every single step of a Chrome-trace timeline that records its batch shape, with the gap
+    to the next step on any instance when that gap is short (the instances of one process
+    share its thread, so the next step anywhere is what the gap delayed)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    steps = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "step"), key=lambda e: e["ts"])
+    out = []
+    for e, nxt in zip(steps, steps[1:] + [None]):
+        a = e.get("args", {})
+        if "shape" not in a or int(a.get("steps", 1)) != 1 or "preempted" in e.get("name", ""):
+            continue
+        gap = (nxt["ts"] - e["ts"] - e["dur"]) / 1e6 if nxt is not None else 1.0
+        sec = e["dur"] / 1e6 + (gap if 0 < gap < BUSY_GAP_S else 0.0)
+        shape = BatchShape(**a["shape"])
+        out.append(ServedStep(shape, sec, int(shape.prefill_seqs + shape.decode_seqs)))
+    return out
+
+
+def server_ttft_p50(trace: dict | list) -> float | None:
+    """Median seconds from arrival at the cluster to the first token, as the server saw it."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    v = [e["dur"] / 1e6 for e in events if e.get("cat") == "request" and e.get("name") == "waiting for first token"]
+    return statistics.median(v) if v else None
+
+
+def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
+                client_ttft_p50: float | None = None) -> ServingTerms:
+    """The serving terms that make `cost` (a profile without them) price the steps of `trace`."""
+    from flowyard.costmodel.profiled import nnls
+
+    if getattr(cost, "serving", ServingTerms()) != ServingTerms():
+        raise ValueError("fit serving terms on a profile without them (its serving block would be counted twice)")
+    steps = served_steps(trace)
+    if len(steps) < 8:
+        raise ValueError(f"the timeline has {len(steps)} steps with their batch shapes; a fit needs at least 8 "
+                         "(serve with --timeline on this version, and send it some requests)")
+    price = np.array([float(cost.step_time(s.shape)) for s in steps])
+    real = np.array([s.seconds for s in steps])
+    x = np.column_stack([price, [s.rows for s in steps], np.ones(len(steps))])
+    w = 1.0 / real
+    scale, row_s, step_s = (float(v) for v in nnls(x * w[:, None], real * w))
+    if scale <= 0:
+        raise ValueError("the served steps do not grow with the profile's price: is the timeline from this engine?")
+    after = scale * price + row_s * x[:, 1] + step_s
+    server = server_ttft_p50(trace)
+    frontend = max(0.0, client_ttft_p50 - server) if client_ttft_p50 is not None and server is not None else 0.0
+    return ServingTerms(scale, row_s, step_s, frontend, fitted_on, len(steps),
+                        float(np.median(np.abs(real / price - 1))), float(np.median(np.abs(real / after - 1))))
+
+
+def _read_json(path: str | Path, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what} {str(path)!r} is not a readable JSON file: {e}") from None
+
+
+def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path,
+                      client_ttft_p50: float | None = None) -> ServingTerms:
+    """Fit on the `timeline` of an engine served with `profile` (any serving block it has is
+    dropped first) and write the profile with the fitted block to `out`."""
+    from flowyard.costmodel.profiled import ProfiledCostModel
+
+    prof = _read_json(profile, "profile")
+    if not isinstance(prof, dict):
+        raise ValueError(f"profile {str(profile)!r} is not a JSON object")
+    prof.pop("serving", None)
+    terms = fit_serving(ProfiledCostModel(prof), _read_json(timeline, "timeline"), str(timeline), client_ttft_p50)
+    prof["serving"] = terms.to_dict()
+    Path(out).write_text(json.dumps(prof, indent=1))
+    return terms
