@@ -171,9 +171,10 @@ def main() -> None:
     ap.add_argument("--profile-passes", type=int, default=3,
                     help="passes over the profile's grid, median kept (default 3)")
     ap.add_argument("--fit-serving", default=None, metavar="WORKLOAD",
-                    help="before any row: serve WORKLOAD once (vllm, at its fixed rate, in one process) with a "
-                         "timeline, fit what serving adds to the profile's steps on it, and run every server and "
-                         "simulation with that profile (flowyard.costmodel.serving); local executor only")
+                    help="before any row: serve WORKLOAD once (vllm, at its fixed rate) with a "
+                         "timeline, fit what serving adds to the profile's steps on it, and price the simulator's "
+                         "steps with it (flowyard.costmodel.serving; policies still predict with the plain "
+                         "profile, as the servers do); once per executor")
     ap.add_argument("--sim-only", action="store_true",
                     help="measure nothing real: print the simulator's goodput per workload and policy, and "
                          "flowyard over the best other (to choose workloads where scheduling matters)")
@@ -198,7 +199,8 @@ def main() -> None:
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")
     workloads = (args.workloads or ("code-long" if quick else ",".join(WORKLOADS))).split(",")
     executors = args.executors.split(",") if not quick or args.executors != "local,ray" else ["local"]
-    bad = [p for p in workloads + ([args.fit_serving] if args.fit_serving else []) if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
+    named = workloads + ([args.fit_serving] if args.fit_serving else [])
+    bad = [p for p in named if p not in WORKLOADS] + [e for e in executors if e not in ("local", "ray")]
     if bad:
         sys.exit(f"real_cluster: unknown workload or executor {bad}; workloads: {', '.join(WORKLOADS)}")
     if args.slo_factor <= 0:
@@ -214,7 +216,7 @@ def main() -> None:
     done = work / "rows.json"  # a rerun with the same --work-dir resumes: finished cells are kept
     rows: list[dict] = json.loads(done.read_text()) if done.exists() else []
     have = {(r["executor"], r["policy"], r["workload"]) for r in rows}
-    serving: dict | None = None
+    serving: dict[str, dict] = {}  # executor -> its fitted serving terms (--fit-serving)
     for executor in executors:
         prof_path = work / f"profile-{executor}.json"
         if not prof_path.exists():
@@ -223,15 +225,15 @@ def main() -> None:
         cost = ProfiledCostModel(str(prof_path))
         slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
-        if args.fit_serving and executor == "local":  # SLOs stay those of the plain profile
-            served = work / "profile-local-served.json"
-            fit_path = work / "serving.json"
+        if args.fit_serving:  # a model of the served steps for the simulator's clock only
+            fit_path = work / f"serving-{executor}.json"
             if not fit_path.exists():
                 print(f"fitting serving terms on {args.fit_serving} ...", file=sys.stderr, flush=True)
                 fw = make_workload(args.fit_serving, cfg.requests, slos, cost)
-                fit_path.write_text(json.dumps(fit_serving_run(fw, prof_path, served, slos, cfg.model, work)))
-            serving = json.loads(fit_path.read_text())
-            prof_path = served
+                fit = fit_serving_run(fw, executor, prof_path, work / f"profile-{executor}-served.json", slos,
+                                      cfg.model, work)
+                fit_path.write_text(json.dumps(fit))
+            serving[executor] = json.loads(fit_path.read_text())
         if args.sim_only:
             print(sim_table(ws, policies, cost, executor))
             continue
@@ -246,28 +248,26 @@ def main() -> None:
             if args.reprofile and not pol_path.exists():
                 print(f"profiling the engine before {policy} ...", file=sys.stderr, flush=True)
                 profile_engine(pol_path, 1 if executor == "ray" else None, args.profile_passes)
-                if prof_path.name.endswith("-served.json"):  # the fitted terms carry over
-                    prof = json.loads(pol_path.read_text())
-                    prof["serving"] = json.loads(prof_path.read_text())["serving"]
-                    pol_path.write_text(json.dumps(prof, indent=1))
             if not args.reprofile:
                 pol_path = prof_path
             age_min = (time.time() - pol_path.stat().st_mtime) / 60
+            # The servers' policies and the simulated ones predict with the plain profile; with
+            # --fit-serving the simulator's clock also prices what serving adds to each step.
             pcost = ProfiledCostModel(str(pol_path))
-            plain = json.loads(pol_path.read_text())
-            plain.pop("serving", None)  # the machine's speed: forward passes against forward passes
-            speed = machine_speed(ProfiledCostModel(plain), cost)
+            fit = serving.get(executor)
+            clock = ProfiledCostModel({**json.loads(pol_path.read_text()), "serving": fit}) if fit else pcost
+            speed = machine_speed(pcost, cost)
             with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():
                     if (executor, policy, name) in have:
                         continue
                     shared = executor == "local"
-                    sim = search(lambda r: sim_point(w, r, policy, pcost, shared)["attainment"],
+                    sim = search(lambda r: sim_point(w, r, policy, clock, shared, pcost)["attainment"],
                                  w.guess, 8, policy)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
                     real = search(lambda r: real_point(url, w, r, slos)["attainment"], guess, cfg.evals, policy)
                     fixed = w.fixed_rate
-                    rp, sp = real_point(url, w, fixed, slos), sim_point(w, fixed, policy, pcost, shared)
+                    rp, sp = real_point(url, w, fixed, slos), sim_point(w, fixed, policy, clock, shared, pcost)
                     rows.append({"executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve,
@@ -283,6 +283,12 @@ def main() -> None:
     meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": f"{host['arch']}, {host['cpu']}",
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
             "requests_per_point": cfg.requests, "serving": serving}
+    if have and (work / "meta.json").exists():  # a resumed run adds to the one before: keep its story
+        prev = json.loads((work / "meta.json").read_text())
+        fits = prev.get("serving") or {}
+        meta.update(command=prev["command"], wall_s=(prev.get("wall_s") or 0) + meta["wall_s"],
+                    added_commands=prev.get("added_commands", []) + [meta["command"]],
+                    serving={**({"local": fits} if "scale" in fits else fits), **serving})
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)

@@ -94,11 +94,12 @@ def _point(summary) -> dict:
             "tpot_p50": summary.tpot["p50"], "tpot_p90": summary.tpot["p90"], "completed": summary.completed}
 
 
-def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool) -> dict:
+def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool, predictor=None) -> dict:
     """The simulator's run of the workload at `rate`, emulating the served engine: its profile,
-    `flowyard serve`'s policy options, and for in-process instances one shared device."""
+    `flowyard serve`'s policy options, and for in-process instances one shared device. `cost`
+    clocks the steps; the policy predicts with `predictor` (default: the same model)."""
     link = Link(1e12) if shared_device else Link(1e9, 2e-3)  # an in-process copy; Ray's object store
-    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=cost)
+    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=predictor or cost)
     reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link),
                     shared_device=shared_device).run()
@@ -156,14 +157,14 @@ class Server:
             self.proc.kill()
 
 
-def fit_serving_run(workload: "RealWorkload", profile: Path, out: Path, slos: EngineSLOs, model: str | None,
-                    work: Path, policy: str = "vllm") -> dict:
+def fit_serving_run(workload: "RealWorkload", executor: str, profile: Path, out: Path, slos: EngineSLOs,
+                    model: str | None, work: Path, policy: str = "vllm") -> dict:
     """One served run of `workload` at its fixed rate with a timeline, and the profile's serving
     terms fitted on it (flowyard.costmodel.serving), written to `out` with the profile."""
     from flowyard.costmodel.serving import fit_serving_files
 
-    tl = work / f"fit-serving-{workload.name}-{policy}.json"
-    srv = Server(policy, "local", profile, model, work / f"fit-serving-{policy}.log")
+    tl = work / f"fit-serving-{executor}-{workload.name}-{policy}.json"
+    srv = Server(policy, executor, profile, model, work / f"fit-serving-{executor}-{policy}.log")
     srv.cmd += ["--timeline", str(tl)]
     with srv as url:
         rp = real_point(url, workload, workload.fixed_rate, slos)
@@ -176,16 +177,19 @@ def fit_serving_run(workload: "RealWorkload", profile: Path, out: Path, slos: En
 
 
 def serving_note(meta: dict) -> list[str]:
-    sv = meta.get("serving")
-    if not sv:
-        return []
-    return ["", f"Served-step terms (`--fit-serving`): fitted on one `{sv['policy']}` run of `{sv['workload']}` at "
-            f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
-            f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
-            f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
-            f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps. Every simulation "
-            "and every server below uses the profile with these terms; rows of that workload are the fit's own "
-            "workload (not a check of it)."]
+    fits = meta.get("serving") or {}
+    if "scale" in fits:  # a run before fits were kept per executor: in-process only
+        fits = {"local": fits}
+    out = [f"Served-step terms for {ex} (`--fit-serving`): fitted on one `{sv['policy']}` run of `{sv['workload']}` at "
+           f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
+           f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
+           f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
+           f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps."
+           for ex, sv in fits.items()]
+    if out:
+        out.append("The simulator clocks every step of that executor with these terms; its policies, like the "
+                   "servers', predict with the plain profile. Rows of the fit's workload are not a check of it.")
+    return ["", " ".join(out)] if out else []
 
 
 def _rows_revisions(rows: list[dict], rev: str) -> str:

@@ -111,3 +111,15 @@ def test_cli_errors_say_what_is_missing(tmp_path, capsys):
     assert main(["profile", "--serving-timeline", str(tmp_path / "missing.json"), "--from", str(tmp_path / "p.json"),
                  "--out", str(tmp_path / "o.json")]) != 0
     assert "not a readable JSON" in capsys.readouterr().err
+
+
+def test_steps_of_separate_processes_take_their_own_gaps():
+    """Ray actors step at once: a step's serving-loop gap is to its own instance's next step,
+    not to whichever instance steps next."""
+    shape = {"prefill_tokens": 0.0, "prefill_seqs": 0, "prefill_attn": 0.0, "prefill_kv": 0.0,
+             "decode_seqs": 2, "decode_ctx": 400.0, "graphed": False}
+    ev = [{"ph": "X", "cat": "step", "name": "decode", "pid": pid, "ts": 11e3 * i + 4e3 * pid, "dur": 10e3,
+           "args": {"steps": 1, "shape": shape}} for i in range(10) for pid in (0, 1)]
+    steps = served_steps({"traceEvents": ev})
+    assert len(steps) == 20
+    assert [round(s.seconds, 4) for s in steps[:-2]] == [0.011] * 18  # 10 ms step + 1 ms own gap

@@ -70,12 +70,18 @@ class ServedStep:
 
 def served_steps(trace: dict | list) -> list[ServedStep]:
     """Every single step of a Chrome-trace timeline that records its batch shape, with the gap
-    to the next step on any instance when that gap is short (the instances of one process
-    share its thread, so the next step anywhere is what the gap delayed)."""
+    to the next step when that gap is short. Instances of one process share its thread, so
+    there the next step anywhere is what the gap delayed; where steps of different instances
+    overlap (Ray actors, one process each) it is the instance's own next step."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     steps = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "step"), key=lambda e: e["ts"])
+    overlap = any(b["ts"] < a["ts"] + a["dur"] - 1e3 for a, b in zip(steps, steps[1:]))
+    nexts: list[dict | None] = []
+    for i, e in enumerate(steps):
+        later = (s for s in steps[i + 1:] if not overlap or s.get("pid") == e.get("pid"))
+        nexts.append(next(later, None))
     out = []
-    for e, nxt in zip(steps, steps[1:] + [None]):
+    for e, nxt in zip(steps, nexts):
         a = e.get("args", {})
         if "shape" not in a or int(a.get("steps", 1)) != 1 or "preempted" in e.get("name", ""):
             continue
