@@ -161,3 +161,12 @@ def test_passes_keep_each_operators_median_over_the_passes(tmp_path, monkeypatch
     assert out["passes"] == 3 and out["repeats"] == 1
     with pytest.raises(ValueError, match="passes"):
         run_profile(engine.runner, grid=grid, passes=0)
+
+
+def test_grid_prices_small_chunks_over_long_histories():
+    """The attention fit needs more than one history shape to tell the cost per cached token
+    from the cost per causal pair (a 56-token chunk over 900 cached tokens was priced at twice
+    its served time, and DynaServe's budgets fell to their floor in the simulator)."""
+    for quick in (True, False):
+        small = {h for p in default_grid(quick=quick) for h, n in p.prefill if h > 0 and n <= 64}
+        assert len(small) >= 2 and max(small) >= 1024

@@ -52,6 +52,11 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
     ctxs = [128, 1024] if quick else [64, 256, 1024, 2048]
     grid = [GridPoint(prefill=[(0, n)]) for n in pre]
     grid += [GridPoint(prefill=[(h, 256)]) for h in ([512] if quick else [256, 1024])]
+    # Small chunks over a long history (chunked prefill's later chunks, DynaServe's and
+    # FlowPrefill's budgets): with one history shape the attention fit could not tell the cost
+    # per cached token from the cost per causal pair, and priced a 56-token chunk over 900 cached
+    # tokens at twice its served time (DynaServe's budgets then fell to their 16-token floor).
+    grid += [GridPoint(prefill=[(h, 64)]) for h in ([512, 1024] if quick else [256, 1024, 2048])]
     grid += [GridPoint(decode=spread(c, b)) for b in batches for c in ctxs]
     grid += [GridPoint(prefill=[(0, n)], decode=spread(256, b)) for n in (64, 512) for b in (4, 16)]
     return grid
