@@ -96,7 +96,16 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_mixed.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_short_zen5.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen5.md").write_text(REAL.replace("0.00×–1.94×", "0.90×–1.10×"))
+    fidelity = ("- local: Kendall τ (simulated ranking vs the pairs the real brackets order): conv-mixed 0.94 over 17 "
+                "of 21 pairs — target ≥ 0.7 per workload: met on the ordered pairs\n- local: simulated goodput within "
+                "20 % of every real value its bracket allows: 6 of 7 cells; off by more than 20 %: 0\n"
+                "- local: per-request P50 within 15 %: 12 of 14; P90 within 25 %: 13 of 14\n")
+    (tmp_path / "real_cluster_conv_mixed_served.md").write_text(fidelity + REAL)
+    (tmp_path / "real_cluster_conv_mixed_served_ray.md").write_text(REAL)
     vals = values(tmp_path)
+    assert vals["served-mixed-rc-p50"] == "local 12 of 14" and vals["served-mixed-rc-p90"] == "local 13 of 14"
+    assert vals["served-mixed-rc-within"] == "6 of 7" and vals["served-mixed-rc-tau"] == "0.94"
+    assert vals["served-ray-mixed-rc-p50"] == "not measured"  # a report without the lines says so
     assert vals["short-rc-ratio"] == "2.36×–4.00× (over 1 of 6 others)" and vals["short-ray-rc-ratio"] == "1.27×–1.47×"
     assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"
     assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"

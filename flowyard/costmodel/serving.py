@@ -24,6 +24,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +50,9 @@ class ServingTerms:
         if not isinstance(d, dict):
             raise ValueError(f"a serving block is a JSON object, got {d!r}")
         try:
-            t = cls(**{k: (str(v) if k == "fitted_on" else int(v) if k == "steps" else float(v))
-                       for k, v in d.items() if k in cls.__dataclass_fields__})
+            fields: dict[str, Any] = {k: (str(v) if k == "fitted_on" else int(v) if k == "steps" else float(v))
+                                      for k, v in d.items() if k in cls.__dataclass_fields__}
+            t = cls(**fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed serving block {d}: {e}") from None
         if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s) < 0:

@@ -42,7 +42,14 @@ def _real_cluster(md: str) -> dict[str, str]:
         raise ValueError("real-cluster report: no goodput table")
     col = [c.strip() for c in header].index("sim outside")  # later columns may follow it
     inside = sum(1 for c in cells if c[col].strip() == "+0%")
-    return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}"}
+    p50 = re.findall(r"^- (local|ray): per-request P50 within 15 %: (\d+ of \d+); P90 within 25 %: (\d+ of \d+)", md, re.M)
+    within = re.findall(r"^- (?:local|ray): simulated goodput within 20 % of every real value its bracket allows: "
+                        r"(\d+ of \d+) cells", md, re.M)
+    taus = re.findall(r"^- (?:local|ray): Kendall τ [^:]*: [a-z-]+ ([\d.-]+) over", md, re.M)
+    return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}",
+            "rc-within": ", ".join(within) or "not measured", "rc-tau": ", ".join(taus) or "not measured",
+            "rc-p50": ", ".join(f"{ex} {a}" for ex, a, _ in p50) or "not measured",
+            "rc-p90": ", ".join(f"{ex} {b}" for ex, _, b in p50) or "not measured"}
 
 
 def _scale(md: str) -> dict[str, str]:
@@ -70,7 +77,10 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_conv_mixed.md": (_real_cluster, "mixed-"),
     # the same runs on a Zen 5 host, where the engine's steps are several times faster
     "docs/results/real_cluster_conv_short_zen5.md": (_real_cluster, "z5-short-"),
-    "docs/results/real_cluster_conv_mixed_zen5.md": (_real_cluster, "z5-mixed-")}
+    "docs/results/real_cluster_conv_mixed_zen5.md": (_real_cluster, "z5-mixed-"),
+    # ... with the simulator's steps priced with serving terms fitted on conv-short (--fit-serving)
+    "docs/results/real_cluster_conv_mixed_served.md": (_real_cluster, "served-mixed-"),
+    "docs/results/real_cluster_conv_mixed_served_ray.md": (_real_cluster, "served-ray-mixed-")}
 
 
 def values(results: Path) -> dict[str, str]:
