@@ -226,3 +226,17 @@ def test_added_rates_narrow_a_bracket_and_a_lucky_point_cannot_raise_it():
     pts.add_point(row, 1.46, 0.5, "abc1234", 1.02)  # the same rate missed once: a miss there
     assert rc.bracket(row) == (0.58, 1.46)
     assert any("1.900 req/s → 75%" in line for line in pts.added_note([row]))
+
+
+def test_served_terms_clock_the_simulator_while_policies_predict_with_the_plain_profile(tiny):
+    """--fit-serving: the fitted terms slow the simulated steps (the testbed) and nothing else."""
+    import json
+
+    _, path, cost = tiny
+    served = ProfiledCostModel({**json.loads(path.read_text()), "serving": {"scale": 1.5, "row_s": 0.002}})
+    slos = rc.engine_slos(cost)
+    w = rc.make_workload("conv-mixed", 8, slos, cost)
+    plain = rc.sim_point(w, w.fixed_rate, "vllm", cost, shared_device=True)
+    slow = rc.sim_point(w, w.fixed_rate, "vllm", served, shared_device=True, predictor=cost)
+    assert slow["completed"] == plain["completed"] == 8
+    assert slow["tpot_p50"] > 1.4 * plain["tpot_p50"] and slow["ttft_p50"] > plain["ttft_p50"]
