@@ -285,10 +285,9 @@ def main() -> None:
             "requests_per_point": cfg.requests, "serving": serving}
     if have and (work / "meta.json").exists():  # a resumed run adds to the one before: keep its story
         prev = json.loads((work / "meta.json").read_text())
-        fits = prev.get("serving") or {}
         meta.update(command=prev["command"], wall_s=(prev.get("wall_s") or 0) + meta["wall_s"],
                     added_commands=prev.get("added_commands", []) + [meta["command"]],
-                    serving={**({"local": fits} if "scale" in fits else fits), **serving})
+                    serving={**(prev.get("serving") or {}), **serving})
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)

@@ -157,6 +157,19 @@ class Server:
             self.proc.kill()
 
 
+def timeline_point(srv: "Server", timeline: Path, w: "RealWorkload", rate: float, slos: EngineSLOs) -> dict:
+    """`real_point` at `rate` on a fresh server `srv` that writes its timeline to `timeline`,
+    once that file exists (the server writes it as it shuts down)."""
+    srv.cmd += ["--timeline", str(timeline)]
+    with srv as url:
+        rp = real_point(url, w, rate, slos)
+    for _ in range(60):
+        if timeline.exists():
+            break
+        time.sleep(1)
+    return rp
+
+
 def fit_serving_run(workload: "RealWorkload", executor: str, profile: Path, out: Path, slos: EngineSLOs,
                     model: str | None, work: Path, policy: str = "vllm") -> dict:
     """One served run of `workload` at its fixed rate with a timeline, and the profile's serving
@@ -165,21 +178,13 @@ def fit_serving_run(workload: "RealWorkload", executor: str, profile: Path, out:
 
     tl = work / f"fit-serving-{executor}-{workload.name}-{policy}.json"
     srv = Server(policy, executor, profile, model, work / f"fit-serving-{executor}-{policy}.log")
-    srv.cmd += ["--timeline", str(tl)]
-    with srv as url:
-        rp = real_point(url, workload, workload.fixed_rate, slos)
-    for _ in range(60):  # the server writes its timeline as it shuts down
-        if tl.exists():
-            break
-        time.sleep(1)
+    rp = timeline_point(srv, tl, workload, workload.fixed_rate, slos)
     terms = fit_serving_files(profile, tl, out, client_ttft_p50=rp["ttft_p50"])
     return {**terms.to_dict(), "workload": workload.name, "policy": policy, "rate": workload.fixed_rate}
 
 
 def serving_note(meta: dict) -> list[str]:
     fits = meta.get("serving") or {}
-    if "scale" in fits:  # a run before fits were kept per executor: in-process only
-        fits = {"local": fits}
     out = [f"Served-step terms for {ex} (`--fit-serving`): fitted on one `{sv['policy']}` run of `{sv['workload']}` at "
            f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
            f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "

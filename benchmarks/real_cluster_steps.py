@@ -13,8 +13,9 @@ puts side by side
 - the same rate measured again (--repeats): the spread of the real measurement itself, which
   bounds how closely any prediction can be checked with this many requests.
 
-The timeline gives each step's prompt tokens and decode count, not the decodes' contexts: a
-decode is priced at the workload's mean prompt plus half its mean output (stated in the report).
+Each step is priced with its prompt tokens and decode count, and a decode at the workload's
+mean prompt plus half its mean output (stated in the report), so timelines from before steps
+recorded their batch shapes are read the same way (`flowyard.costmodel.serving` uses the shapes).
 
     python benchmarks/real_cluster_steps.py --policy flowyard --workload conv-short \
         --rates 0.168,2.8,5.6 --repeats 2 --slo-factor 8 --out docs/results/real_cluster_steps.md
@@ -33,13 +34,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from real_cluster import profile_engine
-from real_cluster_lib import INSTANCES, MAX_NUM_SEQS, WORKLOADS, Server, _at, engine_slos, make_workload, real_point
+from real_cluster_lib import INSTANCES, MAX_NUM_SEQS, WORKLOADS, Server, _at, engine_slos, make_workload, timeline_point
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.metrics import summarize
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
+from flowyard.costmodel.serving import server_ttfts
 from flowyard.experiments.report import md_table, source_revision
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
@@ -59,14 +61,6 @@ def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
         kind = "mixed" if p and n else ("prefill" if p else "decode")
         out.append((kind, e["dur"] / 1e6 / max(1, int(a.get("steps", 1))), p, n, e["ts"] / 1e6))
     return sorted(out, key=lambda s: s[4])
-
-
-def server_ttfts(path: Path) -> list[float]:
-    """Seconds from each request's arrival at the cluster to its first token, as the server's
-    timeline records them (no HTTP, tokenization, streaming or client time)."""
-    trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e["dur"] / 1e6 for e in events if e.get("cat") == "request" and e.get("name") == "waiting for first token"]
 
 
 def step_ratios(steps, cost, decode_ctx: float) -> dict[str, list[float]]:
@@ -129,16 +123,10 @@ def main() -> None:
     for rate in rates:
         s, sim_busy = sim_run(w, rate, args.policy, cost)
         for k in range(args.repeats):
-            srv = Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log")
             tl = work / f"timeline-{rate}-{k}.json"
-            srv.cmd += ["--timeline", str(tl)]
-            with srv as url:
-                rp = real_point(url, w, rate, slos)
-            for _ in range(60):  # the server writes its timeline as it shuts down
-                if tl.exists():
-                    break
-                time.sleep(1)
-            steps, server = real_steps(tl), server_ttfts(tl)
+            rp = timeline_point(Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log"), tl, w,
+                                rate, slos)
+            steps, server = real_steps(tl), server_ttfts(json.loads(tl.read_text()))
             rows.append([f"{rate:g}", k + 1, f"{rp['attainment']:.2f} / {s.slo_attainment:.2f}",
                          f"{rp['ttft_p50'] * 1e3:.0f} / {s.ttft['p50'] * 1e3:.0f}",
                          f"{rp['ttft_p90'] * 1e3:.0f} / {s.ttft['p90'] * 1e3:.0f}",

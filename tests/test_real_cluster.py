@@ -3,9 +3,9 @@ point in the simulator and on a real `flowyard serve`, the ranking statistic and
 
 from __future__ import annotations
 
-import urllib.request
-
+import json
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -163,7 +163,9 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     import numpy as np
 
     from conftest import LinearCost
-    from real_cluster_steps import gaps_while_busy, real_steps, server_ttfts, step_ratios
+    from real_cluster_steps import gaps_while_busy, real_steps, step_ratios
+
+    from flowyard.costmodel.serving import server_ttfts
 
     from flowyard.cluster.timeline import Timeline
     from flowyard.core.plan import PrefillSlice, StepPlan
@@ -178,7 +180,7 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     st.first_token_time, st.finish_time = 0.5, 0.7001
     tl.finished(st)
     tl.write(tmp_path / "tl.json")
-    assert server_ttfts(tmp_path / "tl.json") == [pytest.approx(0.5)]
+    assert server_ttfts(json.loads((tmp_path / "tl.json").read_text())) == [pytest.approx(0.5)]
     steps = real_steps(tmp_path / "tl.json")
     assert [round(s[1], 6) for s in steps] == [0.5, 0.1, 0.1]
     assert gaps_while_busy(steps) == pytest.approx(1e-4, abs=1e-6)
@@ -230,8 +232,6 @@ def test_added_rates_narrow_a_bracket_and_a_lucky_point_cannot_raise_it():
 
 def test_served_terms_clock_the_simulator_while_policies_predict_with_the_plain_profile(tiny):
     """--fit-serving: the fitted terms slow the simulated steps (the testbed) and nothing else."""
-    import json
-
     _, path, cost = tiny
     served = ProfiledCostModel({**json.loads(path.read_text()), "serving": {"scale": 1.5, "row_s": 0.002}})
     slos = rc.engine_slos(cost)

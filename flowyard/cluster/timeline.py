@@ -13,7 +13,7 @@ open the file in https://ui.perfetto.dev or chrome://tracing. Each instance is a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flowyard.cluster.core import DecisionLog
@@ -45,11 +45,7 @@ class Timeline:
         args = {"prefill_tokens": sum(s.n for s in plan.prefills), "decode_seqs": len(plan.decodes),
                 "steps": steps, "requests": sorted({s.state.id for s in plan.prefills} | {d.id for d in plan.decodes})}
         if steps == 1:  # the batch as a cost model prices it (flowyard.costmodel.serving fits on it)
-            sh = plan.shape()
-            args["shape"] = {"prefill_tokens": float(sh.prefill_tokens), "prefill_seqs": int(sh.prefill_seqs),
-                             "prefill_attn": float(sh.prefill_attn), "prefill_kv": float(sh.prefill_kv),
-                             "decode_seqs": int(sh.decode_seqs), "decode_ctx": float(sh.decode_ctx),
-                             "graphed": bool(sh.graphed)}
+            args["shape"] = asdict(plan.shape())
         self.steps.append((instance, start, end, name, args))
 
     def step_summary(self, instance: int, start: float, end: float, name: str, args: dict) -> None:

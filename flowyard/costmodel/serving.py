@@ -94,11 +94,11 @@ def served_steps(trace: dict | list) -> list[ServedStep]:
     return out
 
 
-def server_ttft_p50(trace: dict | list) -> float | None:
-    """Median seconds from arrival at the cluster to the first token, as the server saw it."""
+def server_ttfts(trace: dict | list) -> list[float]:
+    """Seconds from each request's arrival at the cluster to its first token, as the server's
+    timeline records them (no HTTP, tokenization, streaming or client time)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    v = [e["dur"] / 1e6 for e in events if e.get("cat") == "request" and e.get("name") == "waiting for first token"]
-    return statistics.median(v) if v else None
+    return [e["dur"] / 1e6 for e in events if e.get("cat") == "request" and e.get("name") == "waiting for first token"]
 
 
 def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
@@ -120,7 +120,8 @@ def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
     if scale <= 0:
         raise ValueError("the served steps do not grow with the profile's price: is the timeline from this engine?")
     after = scale * price + row_s * x[:, 1] + step_s
-    server = server_ttft_p50(trace)
+    ttfts = server_ttfts(trace)
+    server = statistics.median(ttfts) if ttfts else None
     frontend = max(0.0, client_ttft_p50 - server) if client_ttft_p50 is not None and server is not None else 0.0
     return ServingTerms(scale, row_s, step_s, frontend, fitted_on, len(steps),
                         float(np.median(np.abs(real / price - 1))), float(np.median(np.abs(real / after - 1))))
