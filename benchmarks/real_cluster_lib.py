@@ -99,7 +99,8 @@ def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bo
     `flowyard serve`'s policy options, and for in-process instances one shared device. `cost`
     clocks the steps; the policy predicts with `predictor` (default: the same model)."""
     link = Link(1e12) if shared_device else Link(1e9, 2e-3)  # an in-process copy; Ray's object store
-    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=predictor or cost)
+    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=predictor or cost,
+                         shared_device=shared_device)
     reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link),
                     shared_device=shared_device).run()

@@ -46,6 +46,10 @@ class PolicyOptions:
     pla_controller: ControllerConfig | None = None
     dynaserve: DynaServeConfig | None = None  # override DynaServe's knobs (K, tolerance, SLO, lengths)
     flowyard: FlowyardConfig | None = None  # override flowyard's knobs (ablations, pinned regimes)
+    # The instances take turns on one device (`flowyard serve`'s in-process cluster, a
+    # `Simulator(shared_device=True)`): a policy that prices its options may price them as one
+    # device's steps rather than N devices'.
+    shared_device: bool = False
 
 
 @dataclass(frozen=True, slots=True)

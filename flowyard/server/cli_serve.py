@@ -123,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         policy = build_policy(args.policy, PolicyOptions(
             num_instances=args.instances, num_prefill=args.prefill_instances,
             chunk_size=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, predictor=predictor,
-            flowprefill=FlowPrefillConfig(granularity=args.preemption, max_num_seqs=args.max_num_seqs)))
+            flowprefill=FlowPrefillConfig(granularity=args.preemption, max_num_seqs=args.max_num_seqs),
+            shared_device=not use_ray))  # in one process the engines take turns on one thread
         if args.scheduling_policy == "priority":
             import dataclasses
 

@@ -25,7 +25,7 @@ def flowyard_policy(name: str, o: PolicyOptions) -> Policy:
         raise ValueError(f"{name} needs a predictor (PolicyOptions.predictor) for its regime controller, "
                          "TTFT predictor and step budgets")
     cfg = o.flowyard or FlowyardConfig(chunk=o.chunk_size or 2048, max_num_seqs=o.max_num_seqs)
-    router = FlowyardRouter(o.predictor, cfg, name)
+    router = FlowyardRouter(o.predictor, cfg, name, shared_device=o.shared_device)
     gs = Composed(name, router, decode_router=router, controllers=[router] if router.period is not None else [])
     predictor = o.predictor
 

@@ -104,3 +104,20 @@ def indexed_pick(router: "FlowyardRouter", req: Request, view: ClusterView, cand
                     best = key
             pos += 1
     return best[2] if best is not None else None
+
+
+KV_HEADROOM = 0.9  # share of an instance's KV cache consolidation fills before spilling over
+
+
+def consolidated(req: Request, view: ClusterView, cands: list[int], max_seqs: float) -> list[int]:
+    """On a shared device (`FlowyardRouter`'s `consolidate`): the first of `cands` whose KV
+    cache holds what it runs and receives plus this prompt within `KV_HEADROOM`, with fewer
+    than `max_seqs` running; all of them when none does, for the usual colocated pick to spread
+    the overflow. Its queue does not count: queued prompts hold no KV yet, and the device, not
+    the instance, is what they wait for, so a second queue would only add steps."""
+    for i in cands:
+        s = view.snapshot(i)
+        held = s.running_tokens + s.incoming_tokens + req.prompt_len
+        if held <= KV_HEADROOM * s.kv_total_blocks * s.block_size and s.num_running + s.num_migrating_in < max_seqs:
+            return [i]
+    return cands

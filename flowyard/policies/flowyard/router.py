@@ -40,6 +40,14 @@ while the cluster runs. The parts:
   its decodes pay for it (`rescue`), and when parked requests wait the decode places go to
   the least banked TPOT slack (`places`), so the wait rotates over all.
 
+- **One device under every instance (`shared_device`).** Instances that take turns on one
+  device share its steps: a decode waits for every instance's step, not only its own, and each
+  step pays its own pass over the weights, so spreading work (colocated on N instances, or
+  split into pools) only adds steps, and each instance's TPOT budget, sized as if its steps
+  were the only ones, is broken by the others'. There the controller is off and the dispatch
+  fills the first instance whose KV cache and batch still hold the request, spilling to the
+  next only when they do not (`dispatch.consolidated`).
+
 `mode` "colocated" or "disaggregated" pins the regime (ablations); the other knobs switch the
 other parts off one at a time (`flowyard reproduce flowyard` measures what each earns).
 """
@@ -60,7 +68,7 @@ from flowyard.policies.arrow.pools import PREFILL_SIDE
 from flowyard.policies.framework.capabilities import Capabilities
 from flowyard.policies.framework.contracts import ClusterView
 from flowyard.policies.flowyard.control import RegimeControl
-from flowyard.policies.flowyard.dispatch import indexed_pick
+from flowyard.policies.flowyard.dispatch import consolidated, indexed_pick
 from flowyard.policies.flowyard.regime import MonitorFlips, RegimePricer
 from flowyard.policies.flowyard.selector import PLACES, SHED_RATES
 from flowyard.policies.pla.affinity import SessionHomes, cached_prefix
@@ -123,14 +131,17 @@ class FlowyardRouter(RegimeControl):
     # asked where every MIXED prefill decodes (stay, or Arrow's Alg. 2); learns output lengths
     capabilities = Capabilities(routes_mixed=True, learns=True, has_pools=True)
 
-    def __init__(self, predictor: CostModel, cfg: FlowyardConfig | None = None, name: str = "flowyard") -> None:
+    def __init__(self, predictor: CostModel, cfg: FlowyardConfig | None = None, name: str = "flowyard",
+                 shared_device: bool = False) -> None:
         self.cfg = c = cfg or FlowyardConfig()
         self.predictor = predictor
+        # one device under every instance, regime left to us: serve from as few as hold the work
+        self.consolidate = shared_device and c.mode == "auto"
         self.arrow = (ArrowRouter if c.dispatch_flips else MonitorFlips)(predictor, ArrowConfig(mode=c.pools, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo, chunk_size=c.chunk,
                                                         max_num_seqs=c.max_num_seqs, flip_cooldown=c.flip_cooldown),
                                  name)
         self.regime = "disaggregated" if c.mode == "disaggregated" else "colocated"
-        self.period: float | None = c.period if c.mode != "colocated" else None
+        self.period: float | None = c.period if c.mode != "colocated" and not self.consolidate else None
         self.switches: list[tuple[float, str]] = []  # (time, regime switched to)
         self.sessions = SessionHomes(MAX_SESSIONS)  # where each session's last turn went
         self._tpots: deque[float] = deque(maxlen=256)  # TPOT SLOs of recent arrivals
@@ -166,6 +177,8 @@ class FlowyardRouter(RegimeControl):
             cands = self.arrow.pools.members(*PREFILL_SIDE) if self.arrow.pools is not None else []
         else:
             cands = list(view.instances())
+            if self.consolidate:
+                cands = consolidated(req, view, cands, self.cfg.max_num_seqs * self.cfg.park)
             pick = self._colocated_pick(req, view, cands, now)
         pick = self._affine(req, view, pick, cands)
         if req.session is not None and pick is not None:
