@@ -161,7 +161,7 @@ def main() -> None:
     reqs = workload(args.requests, args.rate, args.max_input, args.max_output, args.seed)
 
     opts = PolicyOptions(num_instances=args.instances, chunk_size=cfg.max_num_batched_tokens or default_token_budget(),
-                         max_num_seqs=cfg.max_num_seqs)
+                         max_num_seqs=cfg.max_num_seqs, shared_device=args.local)
     link = Link(args.link_gbps * 1e9 / 8, 2e-3) if args.instances > 1 else _NoLink()
     sim = Simulator(reqs, build_policy(args.policy, opts), cost, Topology(1, link, link),
                     block_size=cfg.block_size, shared_device=args.local).run()

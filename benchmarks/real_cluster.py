@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               fit_serving_run, make_workload, real_point, sim_point, write_report)
-from real_cluster_points import add_point, parse_add_rates  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -106,49 +105,7 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
     return "\n".join(lines)
 
 
-def add_rates(args) -> None:
-    """`--add-rates`: more real points for finished rows, with the run's SLOs and workloads."""
-    try:
-        wanted = parse_add_rates(args.add_rates)
-    except ValueError as e:
-        sys.exit(f"real_cluster: {e}")
-    work = Path(args.work_dir or "")
-    if args.work_dir is None or not (work / "rows.json").exists() or not (work / "meta.json").exists():
-        sys.exit("real_cluster: --add-rates needs a --work-dir with rows.json and meta.json from an earlier run")
-    rows, meta = json.loads((work / "rows.json").read_text()), json.loads((work / "meta.json").read_text())
-    executors = args.executors.split(",")
-    targets = [r for r in rows if r["executor"] in executors and r["policy"] in wanted
-               and (args.workloads is None or r["workload"] in args.workloads.split(","))]
-    missing = sorted(set(wanted) - {r["policy"] for r in targets})
-    if missing:
-        sys.exit(f"real_cluster: --add-rates: no measured row for {missing} in {work}/rows.json")
-    cfg = ExperimentConfig(requests=meta["requests_per_point"], model=args.model)
-    for executor in sorted({r["executor"] for r in targets}):
-        cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
-        slos = engine_slos(cost, meta["slo_factor"])
-        # the machine's speed now against the run's profile: an added point is comparable to
-        # the search's points only if the machine has not drifted far since
-        now_path = work / f"profile-{executor}-added-{time.strftime('%Y%m%d%H%M%S')}.json"
-        print(f"profiling the engine for {executor} before the added rates ...", file=sys.stderr, flush=True)
-        profile_engine(now_path, 1 if executor == "ray" else None, args.profile_passes)
-        speed = machine_speed(ProfiledCostModel(str(now_path)), cost)
-        for policy, rates in wanted.items():
-            mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
-            if not mine:
-                continue
-            with Server(policy, executor, work / f"profile-{executor}.json", cfg.model,
-                        work / f"serve-{policy}-{executor}-added.log") as url:
-                for row in mine:
-                    w = make_workload(row["workload"], cfg.requests, slos, cost)
-                    for rate in rates:
-                        got = real_point(url, w, rate, slos)["attainment"]
-                        add_point(row, rate, got, source_revision(), speed)
-                        print(f"{executor:>5} {policy:>12} {row['workload']:>11}: {rate:.3f} req/s -> {got:.0%}; "
-                              f"goodput now {row['real_goodput']:.3f}", file=sys.stderr, flush=True)
-                    (work / "rows.json").write_text(json.dumps(rows, indent=1))
-    meta.setdefault("added_commands", []).append(" ".join(sys.argv))
-    (work / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"wrote {write_report(rows, meta, Path(args.out))}", file=sys.stderr)
+from real_cluster_more import add_rates, refix  # noqa: E402  (they use profile_engine above)
 
 
 def main() -> None:
@@ -159,6 +116,9 @@ def main() -> None:
     ap.add_argument("--executors", default="local,ray", help="local (one process), ray (actors)")
     ap.add_argument("--requests", type=int, default=None, help="requests per point (default 24; quick 10)")
     ap.add_argument("--evals", type=int, default=4, help="real rates tried per goodput search")
+    ap.add_argument("--fixed-requests", type=int, default=None,
+                    help="requests of the per-request fidelity point (default: --requests); the P50 and P90 "
+                         "of a few dozen requests move by tens of percent between two real runs")
     ap.add_argument("--out", default="docs/results/real_cluster.md")
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")
@@ -181,6 +141,9 @@ def main() -> None:
     ap.add_argument("--add-rates", default=None, metavar="POLICY=RATE[/RATE],...",
                     help="measure these rates more for rows already in --work-dir, to decide a verdict a "
                          "bracket leaves open (real_cluster_points.py); then write the report")
+    ap.add_argument("--refix", type=int, default=None, metavar="N",
+                    help="measure the per-request fidelity point of every row in --work-dir again, with N "
+                         "requests at its fixed rate, real and simulated; then write the report")
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
@@ -194,6 +157,9 @@ def main() -> None:
         return
     if args.add_rates is not None:
         add_rates(args)
+        return
+    if args.refix is not None:
+        refix(args)
         return
     quick = args.quick
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")
@@ -212,6 +178,9 @@ def main() -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="real-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig(requests=args.requests or (10 if quick else 24), evals=args.evals, model=args.model)
+    fixed_n = args.fixed_requests or cfg.requests
+    if fixed_n < 2:
+        sys.exit(f"real_cluster: --fixed-requests must be at least 2, got {fixed_n}")
     started = time.time()
     done = work / "rows.json"  # a rerun with the same --work-dir resumes: finished cells are kept
     rows: list[dict] = json.loads(done.read_text()) if done.exists() else []
@@ -225,6 +194,9 @@ def main() -> None:
         cost = ProfiledCostModel(str(prof_path))
         slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
+        # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
+        fixed_ws = {name: replace(make_workload(name, fixed_n, slos, cost), fixed_rate=w.fixed_rate)
+                    for name, w in ws.items()}
         if args.fit_serving:  # a model of the served steps for the simulator's clock only
             fit_path = work / f"serving-{executor}.json"
             if not fit_path.exists():
@@ -266,8 +238,8 @@ def main() -> None:
                                  w.guess, 8, policy)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
                     real = search(lambda r: real_point(url, w, r, slos)["attainment"], guess, cfg.evals, policy)
-                    fixed = w.fixed_rate
-                    rp, sp = real_point(url, w, fixed, slos), sim_point(w, fixed, policy, clock, shared, pcost)
+                    fixed, fw = w.fixed_rate, fixed_ws[name]
+                    rp, sp = real_point(url, fw, fixed, slos), sim_point(fw, fixed, policy, clock, shared, pcost)
                     rows.append({"executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve,
@@ -282,7 +254,7 @@ def main() -> None:
     host = machine()  # the VM's host changes between sessions: family and model tell them apart
     meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": f"{host['arch']}, {host['cpu']}",
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
-            "requests_per_point": cfg.requests, "serving": serving}
+            "requests_per_point": cfg.requests, "fixed_requests": fixed_n, "serving": serving}
     if have and (work / "meta.json").exists():  # a resumed run adds to the one before: keep its story
         prev = json.loads((work / "meta.json").read_text())
         meta.update(command=prev["command"], wall_s=(prev.get("wall_s") or 0) + meta["wall_s"],

@@ -202,7 +202,9 @@ def _rows_revisions(rows: list[dict], rev: str) -> str:
     """Which revision measured which rows (a resumed run spans several)."""
     by: dict[str, list[str]] = {}
     for r in rows:
-        by.setdefault(r.get("revision") or "unrecorded", []).append(f"`{r['policy']}` ({r['executor']})")
+        cell = f"`{r['policy']}` ({r['executor']})"
+        if cell not in by.setdefault(r.get("revision") or "unrecorded", []):  # once, not once per workload
+            by[r.get("revision") or "unrecorded"].append(cell)
     return "Rows measured at: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items()) + "."
 
 
@@ -228,7 +230,9 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              + "# Policies on a real cluster, and the simulator's prediction of it", "",
              _rows_revisions(rows, rev),
              f"Report written at revision {rev or 'unknown'}; machine {platform.platform()} ({meta['machine']}, {os.cpu_count()} cores); "
-             f"{meta['requests_per_point']} requests per point; wall "
+             f"{meta['requests_per_point']} requests per point"
+             + (f" ({meta['fixed_requests']} at the fixed rate)" if meta.get("fixed_requests", meta["requests_per_point"])
+                != meta["requests_per_point"] else "") + "; wall "
              + (f"{meta['wall_s'] / 60:.1f} min." if meta.get("wall_s") else "not recorded (a resumed run)."),
              f"Command: `{meta['command']}`. SLOs from the engine's profile: TPOT {meta['slos']['tpot_s'] * 1e3:.0f} ms, "
              f"TTFT by prompt length `{meta['slos']['ttft_by_length']}` (s). Workloads: "

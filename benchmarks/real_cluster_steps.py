@@ -79,7 +79,7 @@ def gaps_while_busy(steps) -> float:
 
 def sim_run(w, rate: float, policy: str, cost):
     link = Link(1e12)  # an in-process copy
-    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=cost)
+    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=cost, shared_device=True)
     reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
     tl = Timeline()
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link), shared_device=True,

@@ -240,3 +240,36 @@ def test_served_terms_clock_the_simulator_while_policies_predict_with_the_plain_
     slow = rc.sim_point(w, w.fixed_rate, "vllm", served, shared_device=True, predictor=cost)
     assert slow["completed"] == plain["completed"] == 8
     assert slow["tpot_p50"] > 1.4 * plain["tpot_p50"] and slow["ttft_p50"] > plain["ttft_p50"]
+
+
+def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_path, monkeypatch):
+    """`--refix N`: real and simulated fixed-rate points on the first N requests, searches kept."""
+    import argparse
+    import contextlib
+
+    import real_cluster_more as more
+
+    _, path, cost = tiny
+    (tmp_path / "profile-local.json").write_text(path.read_text())
+    old = {"attainment": 1.0, "ttft_p50": 9.0, "ttft_p90": 9.0, "tpot_p50": 9.0, "tpot_p90": 9.0, "completed": 3}
+    rows = [{"executor": "local", "policy": p, "workload": "conv-mixed", "real_goodput": 1.0, "sim_goodput": 1.0,
+             "real_curve": [[1.0, 1.0], [2.0, 0.5]], "sim_curve": [[1.0, 1.0]], "fixed_rate": 0.5, "real": old,
+             "sim": old, "revision": "abc"} for p in ("vllm", "flowyard")]
+    meta = {"slo_factor": 4.0, "machine": "x", "command": "c", "requests_per_point": 3,
+            "slos": {"tpot_s": 0.1, "ttft_by_length": "0:1"}}
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    sent = []
+    monkeypatch.setattr(more, "Server", lambda *a, **k: contextlib.nullcontext("http://x"))
+    monkeypatch.setattr(more, "real_point", lambda url, w, rate, slos: sent.append((len(w.workload.requests), rate))
+                        or {**old, "ttft_p50": 0.25})
+    args = argparse.Namespace(work_dir=str(tmp_path), refix=7, executors="local,ray", model=None,
+                              out=str(tmp_path / "report.md"))
+    more.refix(args)
+    got = json.loads((tmp_path / "rows.json").read_text())
+    assert sent == [(7, 0.5), (7, 0.5)]
+    assert all(r["real"]["ttft_p50"] == 0.25 and r["sim"]["completed"] == 7 for r in got)
+    assert [r["real_curve"] for r in got] == [r["real_curve"] for r in rows]  # the searches are kept
+    assert "3 requests per point (7 at the fixed rate)" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit, match="at least 2"):
+        more.refix(argparse.Namespace(**{**vars(args), "refix": 1}))

@@ -90,28 +90,22 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (root / "benchmarks" / "results").mkdir(parents=True)
     (root / "benchmarks" / "results" / "sim_scaling.md").write_text(SCALE)
     (tmp_path / "fidelity_published.md").write_text(FIDELITY)
-    (tmp_path / "real_cluster.md").write_text(REAL)
-    (tmp_path / "real_cluster_conv_short.md").write_text(REAL.replace("0.00×–1.94×", "2.36×–4.00× (over 1 of 6 others)"))
-    (tmp_path / "real_cluster_conv_short_ray.md").write_text(REAL.replace("0.00×–1.94×", "1.27×–1.47×"))
-    (tmp_path / "real_cluster_conv_mixed.md").write_text(REAL)
-    (tmp_path / "real_cluster_conv_short_zen5.md").write_text(REAL)
-    (tmp_path / "real_cluster_conv_mixed_zen5.md").write_text(REAL.replace("0.00×–1.94×", "0.90×–1.10×"))
     fidelity = ("- local: Kendall τ (simulated ranking vs the pairs the real brackets order): conv-mixed 0.94 over 17 "
-                "of 21 pairs — target ≥ 0.7 per workload: met on the ordered pairs\n- local: simulated goodput within "
-                "20 % of every real value its bracket allows: 6 of 7 cells; off by more than 20 %: 0\n"
-                "- local: per-request P50 within 15 %: 12 of 14; P90 within 25 %: 13 of 14\n")
-    (tmp_path / "real_cluster_conv_mixed_served.md").write_text(fidelity + REAL)
-    (tmp_path / "real_cluster_conv_mixed_served_ray.md").write_text(REAL)
+                "of 21 pairs, conv-short 0.44 over 16 of 21 pairs — target ≥ 0.7 per workload: not met\n- local: "
+                "simulated goodput within 20 % of every real value its bracket allows: 6 of 7 cells; off by more than "
+                "20 %: 0\n- local: per-request P50 within 15 %: 12 of 14; P90 within 25 %: 13 of 14\n")
+    (tmp_path / "real_cluster.md").write_text(fidelity + REAL.replace(
+        "conv-mixed 0.00×–1.94×", "conv-mixed 1.26×–1.79×, conv-short 0.71×–1.01× (over 1 of 6 others)"))
+    (tmp_path / "real_cluster_ray.md").write_text(REAL)
     vals = values(tmp_path)
-    assert vals["served-mixed-rc-p50"] == "local 12 of 14" and vals["served-mixed-rc-p90"] == "local 13 of 14"
-    assert vals["served-mixed-rc-within"] == "6 of 7" and vals["served-mixed-rc-tau"] == "0.94"
-    assert vals["served-ray-mixed-rc-p50"] == "not measured"  # a report without the lines says so
-    assert vals["short-rc-ratio"] == "2.36×–4.00× (over 1 of 6 others)" and vals["short-ray-rc-ratio"] == "1.27×–1.47×"
+    assert vals["rc-p50"] == "local 12 of 14" and vals["rc-p90"] == "local 13 of 14"
+    assert vals["rc-within"] == "6 of 7" and vals["rc-tau"] == "conv-mixed 0.94, conv-short 0.44"  # every workload's
+    assert vals["rc-ratio"] == "conv-mixed 1.26×–1.79×, conv-short 0.71×–1.01× (over 1 of 6 others)"
+    assert vals["ray-rc-p50"] == "not measured"  # a report without the lines says so
+    assert vals["ray-rc-ratio"] == "conv-mixed 0.00×–1.94×" and vals["ray-rc-inside"] == "1 of 2"
     assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"
     assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"
     assert vals["fid-targets"].endswith("missed (7 points above)")
-    assert vals["rc-ratio"] == "0.00×–1.94×" and vals["rc-inside"] == "1 of 2"
-    assert vals["z5-mixed-rc-ratio"] == "0.90×–1.10×" and vals["z5-short-rc-inside"] == "1 of 2"
     assert vals["scale-256"] == "0.79–1.20×" and vals["scale-1m-rss"] == "2.9–2.9 GiB"
     assert vals["scale-1m"] == "`vllm` 159 s, `arrow` 1,413 s (extrapolated)" and vals["scale-1m-met"] == "not met for arrow"
     text = "median <!-- gen:fid-cv-median -->9 %<!-- /gen:fid-cv-median --> here"

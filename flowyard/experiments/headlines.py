@@ -33,7 +33,8 @@ def _real_cluster(md: str) -> dict[str, str]:
     ratios = re.findall(r"flowyard / best other real goodput: (.*?) — target", md)
     if not ratios:
         raise ValueError("real-cluster report: no 'flowyard / best other' verdict")
-    spans = [s.strip() for r in ratios for s in re.findall(r"[a-z-]+ ([\d.]+×–[\d.∞]+×?(?: \(over \d+ of \d+ others\))?)", r)]
+    spans = [f"{w} {s.strip()}" for r in ratios
+             for w, s in re.findall(r"([a-z-]+) ([\d.]+×–[\d.∞]+×?(?: \(over \d+ of \d+ others\))?)", r)]
     lines = md.splitlines()
     cells = [line.split("|") for line in lines
              if re.match(r"^\| (local|ray) \| [a-z-]+ \| `[a-z0-9-]+` \| [\d.]+ – [\d.∞]+ \|", line)]
@@ -45,7 +46,8 @@ def _real_cluster(md: str) -> dict[str, str]:
     p50 = re.findall(r"^- (local|ray): per-request P50 within 15 %: (\d+ of \d+); P90 within 25 %: (\d+ of \d+)", md, re.M)
     within = re.findall(r"^- (?:local|ray): simulated goodput within 20 % of every real value its bracket allows: "
                         r"(\d+ of \d+) cells", md, re.M)
-    taus = re.findall(r"^- (?:local|ray): Kendall τ [^:]*: [a-z-]+ ([\d.-]+) over", md, re.M)
+    taus = [f"{w} {t}" for line in re.findall(r"^- (?:local|ray): Kendall τ [^:]*: (.*)$", md, re.M)
+            for w, t in re.findall(r"([a-z-]+) ([\d.-]+) over", line)]
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}",
             "rc-within": ", ".join(within) or "not measured", "rc-tau": ", ".join(taus) or "not measured",
             "rc-p50": ", ".join(f"{ex} {a}" for ex, a, _ in p50) or "not measured",
@@ -72,15 +74,8 @@ def _scale(md: str) -> dict[str, str]:
 SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "benchmarks/results/sim_scaling.md": (_scale, ""),
     "docs/results/fidelity_published.md": (_fidelity, ""), "docs/results/real_cluster.md": (_real_cluster, ""),
-    "docs/results/real_cluster_conv_short.md": (_real_cluster, "short-"),
-    "docs/results/real_cluster_conv_short_ray.md": (_real_cluster, "short-ray-"),
-    "docs/results/real_cluster_conv_mixed.md": (_real_cluster, "mixed-"),
-    # the same runs on a Zen 5 host, where the engine's steps are several times faster
-    "docs/results/real_cluster_conv_short_zen5.md": (_real_cluster, "z5-short-"),
-    "docs/results/real_cluster_conv_mixed_zen5.md": (_real_cluster, "z5-mixed-"),
-    # ... with the simulator's steps priced with serving terms fitted on conv-short (--fit-serving)
-    "docs/results/real_cluster_conv_mixed_served.md": (_real_cluster, "served-mixed-"),
-    "docs/results/real_cluster_conv_mixed_served_ray.md": (_real_cluster, "served-ray-mixed-")}
+    # as Ray actors (in one process: the line above)
+    "docs/results/real_cluster_ray.md": (_real_cluster, "ray-")}
 
 
 def values(results: Path) -> dict[str, str]:

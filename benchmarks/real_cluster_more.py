@@ -1,0 +1,108 @@
+"""More measurements for a finished `real_cluster.py` run (its --work-dir): more real rates
+for rows whose bracket leaves a verdict open (`--add-rates`), and the per-request fidelity
+point again with more requests (`--refix N`): the P50 and P90 of a few dozen requests move by
+tens of percent between two real runs of the same rate, more than the error being judged."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from real_cluster_lib import ExperimentConfig, Server, engine_slos, make_workload, real_point, sim_point, write_report
+from real_cluster_points import add_point, parse_add_rates
+
+from flowyard.costmodel.profiled import ProfiledCostModel
+from flowyard.experiments.report import source_revision
+
+
+def _finished_run(args, flag: str) -> tuple[Path, list[dict], dict]:
+    work = Path(args.work_dir or "")
+    if args.work_dir is None or not (work / "rows.json").exists() or not (work / "meta.json").exists():
+        sys.exit(f"real_cluster: {flag} needs a --work-dir with rows.json and meta.json from an earlier run")
+    return work, json.loads((work / "rows.json").read_text()), json.loads((work / "meta.json").read_text())
+
+
+def _finish(args, work: Path, rows: list[dict], meta: dict) -> None:
+    meta.setdefault("added_commands", []).append(" ".join(sys.argv))
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(f"wrote {write_report(rows, meta, Path(args.out))}", file=sys.stderr)
+
+
+def add_rates(args) -> None:
+    """`--add-rates`: more real points for finished rows, with the run's SLOs and workloads."""
+    from real_cluster import machine_speed, profile_engine  # the script's own module: imported when called
+
+    try:
+        wanted = parse_add_rates(args.add_rates)
+    except ValueError as e:
+        sys.exit(f"real_cluster: {e}")
+    work, rows, meta = _finished_run(args, "--add-rates")
+    executors = args.executors.split(",")
+    targets = [r for r in rows if r["executor"] in executors and r["policy"] in wanted
+               and (args.workloads is None or r["workload"] in args.workloads.split(","))]
+    missing = sorted(set(wanted) - {r["policy"] for r in targets})
+    if missing:
+        sys.exit(f"real_cluster: --add-rates: no measured row for {missing} in {work}/rows.json")
+    cfg = ExperimentConfig(requests=meta["requests_per_point"], model=args.model)
+    for executor in sorted({r["executor"] for r in targets}):
+        cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        slos = engine_slos(cost, meta["slo_factor"])
+        # the machine's speed now against the run's profile: an added point is comparable to
+        # the search's points only if the machine has not drifted far since
+        now_path = work / f"profile-{executor}-added-{time.strftime('%Y%m%d%H%M%S')}.json"
+        print(f"profiling the engine for {executor} before the added rates ...", file=sys.stderr, flush=True)
+        profile_engine(now_path, 1 if executor == "ray" else None, args.profile_passes)
+        speed = machine_speed(ProfiledCostModel(str(now_path)), cost)
+        for policy, rates in wanted.items():
+            mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
+            if not mine:
+                continue
+            with Server(policy, executor, work / f"profile-{executor}.json", cfg.model,
+                        work / f"serve-{policy}-{executor}-added.log") as url:
+                for row in mine:
+                    w = make_workload(row["workload"], cfg.requests, slos, cost)
+                    for rate in rates:
+                        got = real_point(url, w, rate, slos)["attainment"]
+                        add_point(row, rate, got, source_revision(), speed)
+                        print(f"{executor:>5} {policy:>12} {row['workload']:>11}: {rate:.3f} req/s -> {got:.0%}; "
+                              f"goodput now {row['real_goodput']:.3f}", file=sys.stderr, flush=True)
+                    (work / "rows.json").write_text(json.dumps(rows, indent=1))
+    _finish(args, work, rows, meta)
+
+
+
+
+def refix(args) -> None:
+    """`--refix N`: every row's fixed-rate point again, real and simulated, on the first N
+    requests of its workload at the row's fixed rate, with the run's profile, SLOs and served-step
+    terms. The goodput searches are kept as they were."""
+    work, rows, meta = _finished_run(args, "--refix")
+    if args.refix < 2:
+        sys.exit(f"real_cluster: --refix needs at least 2 requests, got {args.refix}")
+    executors = args.executors.split(",")
+    targets = [r for r in rows if r["executor"] in executors]
+    if not targets:
+        sys.exit(f"real_cluster: --refix: no rows for executors {executors} in {work}/rows.json")
+    model = ExperimentConfig(model=args.model).model
+    for executor in dict.fromkeys(r["executor"] for r in targets):
+        path = work / f"profile-{executor}.json"
+        cost = ProfiledCostModel(str(path))
+        slos = engine_slos(cost, meta["slo_factor"])
+        fit = (meta.get("serving") or {}).get(executor)
+        clock = ProfiledCostModel({**json.loads(path.read_text()), "serving": fit}) if fit else cost
+        for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
+            mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
+            with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
+                for row in mine:
+                    w = replace(make_workload(row["workload"], args.refix, slos, cost), fixed_rate=row["fixed_rate"])
+                    row["real"] = real_point(url, w, row["fixed_rate"], slos)
+                    row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
+                    print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
+                          f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
+                    (work / "rows.json").write_text(json.dumps(rows, indent=1))
+    meta.update(fixed_requests=args.refix, fixed_revision=source_revision(),
+                fixed_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    _finish(args, work, rows, meta)
