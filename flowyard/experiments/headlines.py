@@ -75,7 +75,8 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "benchmarks/results/sim_scaling.md": (_scale, ""),
     "docs/results/fidelity_published.md": (_fidelity, ""), "docs/results/real_cluster.md": (_real_cluster, ""),
     # as Ray actors (in one process: the line above)
-    "docs/results/real_cluster_ray.md": (_real_cluster, "ray-")}
+    "docs/results/real_cluster_ray.md": (_real_cluster, "ray-"),
+    "docs/results/real_cluster_ray_conv_mixed.md": (_real_cluster, "ray-mixed-")}
 
 
 def values(results: Path) -> dict[str, str]:
