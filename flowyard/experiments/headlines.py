@@ -79,7 +79,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_ray_conv_mixed.md": (_real_cluster, "ray-mixed-"),
     # conv-mixed again at 64 requests a point: flowyard and the best others of the runs above
     "docs/results/real_cluster_64.md": (_real_cluster, "c64-"),
-    "docs/results/real_cluster_64_ray.md": (_real_cluster, "c64-ray-")}
+    "docs/results/real_cluster_64_ray.md": (_real_cluster, "c64-ray-"),
+    "docs/results/real_cluster_64_short.md": (_real_cluster, "s64-"),
+    "docs/results/real_cluster_64_short_ray.md": (_real_cluster, "s64-ray-")}
 
 
 def values(results: Path) -> dict[str, str]:
