@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              fit_serving_run, make_workload, real_point, sim_point, write_report)
+                              fit_serving_run, fixed_workload, make_workload, real_point, served_clock,
+                              sim_point, write_report)
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -195,8 +196,7 @@ def main() -> None:
         slos = engine_slos(cost, args.slo_factor)
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
         # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
-        fixed_ws = {name: replace(make_workload(name, fixed_n, slos, cost), fixed_rate=w.fixed_rate)
-                    for name, w in ws.items()}
+        fixed_ws = {name: fixed_workload(name, fixed_n, w.fixed_rate, slos, cost) for name, w in ws.items()}
         if args.fit_serving:  # a model of the served steps for the simulator's clock only
             fit_path = work / f"serving-{executor}.json"
             if not fit_path.exists():
@@ -226,8 +226,7 @@ def main() -> None:
             # The servers' policies and the simulated ones predict with the plain profile; with
             # --fit-serving the simulator's clock also prices what serving adds to each step.
             pcost = ProfiledCostModel(str(pol_path))
-            fit = serving.get(executor)
-            clock = ProfiledCostModel({**json.loads(pol_path.read_text()), "serving": fit}) if fit else pcost
+            clock = served_clock(pol_path, serving.get(executor), pcost)
             speed = machine_speed(pcost, cost)
             with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():

@@ -3,6 +3,7 @@ real server and in the simulator, the server's lifetime, and the report with its
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -21,6 +22,7 @@ from flowyard.bench.serve_bench import run_bench
 from flowyard.core.metrics import summarize
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.link import Link
+from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import md_table, source_revision
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.cluster import Topology
@@ -105,6 +107,18 @@ def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bo
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link),
                     shared_device=shared_device).run()
     return _point(summarize(res.states, policy=policy))
+
+
+def fixed_workload(name: str, n: int, rate: float, slos: EngineSLOs, cost) -> RealWorkload:
+    """The per-request fidelity point's workload: the trace's first n requests at `rate` (the
+    fixed rate of the search's workload, whatever n is)."""
+    return replace(make_workload(name, n, slos, cost), fixed_rate=rate)
+
+
+def served_clock(profile: Path, fit: dict | None, plain):
+    """What clocks the simulator's steps: the profile with the executor's fitted serving terms
+    (`--fit-serving`), or the plain profile `plain` without a fit."""
+    return ProfiledCostModel({**json.loads(profile.read_text()), "serving": fit}) if fit else plain
 
 
 def real_point(url: str, w: RealWorkload, rate: float, slos: EngineSLOs, calibrate: bool = True) -> dict:
@@ -202,9 +216,9 @@ def _rows_revisions(rows: list[dict], rev: str) -> str:
     """Which revision measured which rows (a resumed run spans several)."""
     by: dict[str, list[str]] = {}
     for r in rows:
-        cell = f"`{r['policy']}` ({r['executor']})"
-        if cell not in by.setdefault(r.get("revision") or "unrecorded", []):  # once, not once per workload
-            by[r.get("revision") or "unrecorded"].append(cell)
+        cell, cells = f"`{r['policy']}` ({r['executor']})", by.setdefault(r.get("revision") or "unrecorded", [])
+        if cell not in cells:  # once, not once per workload
+            cells.append(cell)
     return "Rows measured at: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items()) + "."
 
 

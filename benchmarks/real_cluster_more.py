@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from real_cluster_lib import ExperimentConfig, Server, engine_slos, make_workload, real_point, sim_point, write_report
+from real_cluster_lib import (ExperimentConfig, Server, engine_slos, fixed_workload, make_workload, real_point,
+                              served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
 
 from flowyard.costmodel.profiled import ProfiledCostModel
@@ -73,8 +73,6 @@ def add_rates(args) -> None:
     _finish(args, work, rows, meta)
 
 
-
-
 def refix(args) -> None:
     """`--refix N`: every row's fixed-rate point again, real and simulated, on the first N
     requests of its workload at the row's fixed rate, with the run's profile, SLOs and served-step
@@ -91,13 +89,12 @@ def refix(args) -> None:
         path = work / f"profile-{executor}.json"
         cost = ProfiledCostModel(str(path))
         slos = engine_slos(cost, meta["slo_factor"])
-        fit = (meta.get("serving") or {}).get(executor)
-        clock = ProfiledCostModel({**json.loads(path.read_text()), "serving": fit}) if fit else cost
+        clock = served_clock(path, (meta.get("serving") or {}).get(executor), cost)
         for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
             mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
             with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
                 for row in mine:
-                    w = replace(make_workload(row["workload"], args.refix, slos, cost), fixed_rate=row["fixed_rate"])
+                    w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
                     row["real"] = real_point(url, w, row["fixed_rate"], slos)
                     row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
