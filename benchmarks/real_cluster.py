@@ -42,6 +42,7 @@ from flowyard.experiments.report import source_revision  # noqa: E402
 from flowyard.core.goodput import goodput_search  # noqa: E402
 
 FLOOR = 0.02  # req/s: the lowest rate a search tries
+SIM_EVALS, SIM_TOL = 16, 0.02  # the simulated search: rates at most, relative bracket width
 from flowyard.core.plan import BatchShape  # noqa: E402
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
@@ -70,7 +71,7 @@ def machine_speed(now: ProfiledCostModel, first: ProfiledCostModel) -> float:
     return round(prod ** (1 / len(shapes)), 3)
 
 
-def search(measure, guess: float, evals: int, policy: str):
+def search(measure, guess: float, evals: int, policy: str, tol: float = 0.15):
     """Goodput around the simulator's guess: 4 evaluations find it within ~15 % when the guess
     is within 2x of the truth. When even the lowest rate misses (a guess too high), the search
     steps down, a quarter each time, while evaluations remain, so it still brackets the goodput
@@ -85,10 +86,18 @@ def search(measure, guess: float, evals: int, policy: str):
     lo, hi = max(guess * 0.5, FLOOR), max(guess * 1.25, 0.05)
     while True:
         budget = evals - len(seen) + (1 if seen else 0)  # after a step down, hi is the rate that missed: known
-        res = goodput_search(memo, lo=lo, hi=hi, tol=0.15, max_evals=max(2, budget), policy=policy)
+        res = goodput_search(memo, lo=lo, hi=hi, tol=tol, max_evals=max(2, budget), policy=policy)
         if not res.never_met or evals - len(seen) < 1 or lo <= FLOOR:
             return replace(res, curve=sorted(seen.items()))
         lo, hi = max(lo / 4, FLOOR), lo
+
+
+def sim_search(w, policy: str, clock, shared: bool, predictor=None):
+    """The simulator's goodput to within SIM_TOL: a simulated rate costs seconds, so unlike the
+    real search it can afford to resolve the crossing, and a coarse simulated bracket would be
+    read as simulator error (its lower edge lies up to the tolerance below the crossing)."""
+    return search(lambda r: sim_point(w, r, policy, clock, shared, predictor)["attainment"], w.guess, SIM_EVALS,
+                  policy, tol=SIM_TOL)
 
 
 def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
@@ -97,8 +106,7 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
     lines = [f"| executor | workload | {' | '.join(policies)} | flowyard / best other |",
              "|---|---|" + "---|" * (len(policies) + 1)]
     for name, w in ws.items():
-        g = {p: search(lambda r: sim_point(w, r, p, cost, executor == "local")["attainment"], w.guess, 8, p).goodput
-             for p in policies}
+        g = {p: sim_search(w, p, cost, executor == "local").goodput for p in policies}
         others = [v for p, v in g.items() if p != "flowyard"]
         best = max(others, default=0.0)
         ratio = f"{g['flowyard'] / best:.2f}×" if "flowyard" in g and best > 0 else "—"
@@ -106,7 +114,7 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
     return "\n".join(lines)
 
 
-from real_cluster_more import add_rates, refix  # noqa: E402  (they use profile_engine above)
+from real_cluster_more import add_rates, refix, resim  # noqa: E402  (they use profile_engine above)
 
 
 def main() -> None:
@@ -145,6 +153,9 @@ def main() -> None:
     ap.add_argument("--refix", type=int, default=None, metavar="N",
                     help="measure the per-request fidelity point of every row in --work-dir again, with N "
                          "requests at its fixed rate, real and simulated; then write the report")
+    ap.add_argument("--resim", action="store_true",
+                    help="search every row's simulated goodput in --work-dir again (to within 2 %%, with the row's "
+                         "profile and the run's served-step terms), keeping every real point; then write the report")
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
@@ -161,6 +172,9 @@ def main() -> None:
         return
     if args.refix is not None:
         refix(args)
+        return
+    if args.resim:
+        resim(args)
         return
     quick = args.quick
     policies = (args.policies or ("vllm,flowyard" if quick else ",".join(POLICIES))).split(",")
@@ -233,8 +247,7 @@ def main() -> None:
                     if (executor, policy, name) in have:
                         continue
                     shared = executor == "local"
-                    sim = search(lambda r: sim_point(w, r, policy, clock, shared, pcost)["attainment"],
-                                 w.guess, 8, policy)
+                    sim = sim_search(w, policy, clock, shared, pcost)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
                     real = search(lambda r: real_point(url, w, r, slos)["attainment"], guess, cfg.evals, policy)
                     fixed, fw = w.fixed_rate, fixed_ws[name]
@@ -244,7 +257,7 @@ def main() -> None:
                                  "real_curve": real.curve, "sim_curve": sim.curve,
                                  "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision(),
                                  "profile": pol_path.name, "step_price_vs_slo_profile": speed,
-                                 "profile_age_min": round(age_min, 1)})
+                                 "profile_age_min": round(age_min, 1), "sim_tol": SIM_TOL})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
                           f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))

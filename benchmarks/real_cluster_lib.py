@@ -96,16 +96,18 @@ def _point(summary) -> dict:
             "tpot_p50": summary.tpot["p50"], "tpot_p90": summary.tpot["p90"], "completed": summary.completed}
 
 
-def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool, predictor=None) -> dict:
+def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool, predictor=None,
+              timeline=None) -> dict:
     """The simulator's run of the workload at `rate`, emulating the served engine: its profile,
     `flowyard serve`'s policy options, and for in-process instances one shared device. `cost`
-    clocks the steps; the policy predicts with `predictor` (default: the same model)."""
+    clocks the steps; the policy predicts with `predictor` (default: the same model); a
+    `Timeline` given records the run's steps."""
     link = Link(1e12) if shared_device else Link(1e9, 2e-3)  # an in-process copy; Ray's object store
     opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=predictor or cost,
                          shared_device=shared_device)
     reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link),
-                    shared_device=shared_device).run()
+                    shared_device=shared_device, timeline=timeline).run()
     return _point(summarize(res.states, policy=policy))
 
 
@@ -254,7 +256,9 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              + "".join(f" Then: `{c}`." for c in meta.get("added_commands", [])), *serving_note(meta), "",
              "## Verdicts", "", *verdicts(rows, len(POLICIES)), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
-              "above it that did not (∞: no rate above failed); the simulated one with a finer search. "
+              "above it that did not (∞: no rate above failed); the simulated one by its own search, to within "
+              f"{max((r.get('sim_tol', 0.15) for r in rows), default=0.15):.0%}" + (f" (searched again at {meta['sim_revision']}, `--resim`)"
+                                                    if meta.get("sim_revision") else "") + ". "
               "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "
               "its error, 0 when it is inside. \"Profile\" is the age of the profile that row's simulation "
               "used when its real runs began, and, where it was made for that row (`--reprofile`), what its "
@@ -273,6 +277,9 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
                             _curve(r["sim_curve"])] for r in rows]))
     lines += added_note(rows)
     lines += ["", "## Per-request fidelity at a fixed rate", ""]
+    if meta.get("fixed_revision"):  # --refix measured every row's point again, after the searches
+        lines += [f"Every row's point measured again with {meta['fixed_requests']} requests (`--refix`) at "
+                  f"{meta['fixed_revision']}, {meta.get('fixed_at', 'time not recorded')}.", ""]
     lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
                            "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", f"{r['fixed_rate']:g}",

@@ -1,7 +1,8 @@
 """More measurements for a finished `real_cluster.py` run (its --work-dir): more real rates
 for rows whose bracket leaves a verdict open (`--add-rates`), and the per-request fidelity
 point again with more requests (`--refix N`): the P50 and P90 of a few dozen requests move by
-tens of percent between two real runs of the same rate, more than the error being judged."""
+tens of percent between two real runs of the same rate, more than the error being judged. And
+the simulated searches again with this revision's (`--resim`), real points untouched."""
 
 from __future__ import annotations
 
@@ -102,4 +103,33 @@ def refix(args) -> None:
                     (work / "rows.json").write_text(json.dumps(rows, indent=1))
     meta.update(fixed_requests=args.refix, fixed_revision=source_revision(),
                 fixed_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    _finish(args, work, rows, meta)
+
+
+def resim(args) -> None:
+    """`--resim`: every row's simulated goodput searched again with this revision's simulated
+    search (real_cluster.sim_search), on the profile the row was simulated with and the run's
+    served-step terms. The real points and the fixed-rate point are kept as they were."""
+    from real_cluster import SIM_TOL, sim_search  # the script's own module: imported when called
+
+    work, rows, meta = _finished_run(args, "--resim")
+    executors = args.executors.split(",")
+    targets = [r for r in rows if r["executor"] in executors]
+    if not targets:
+        sys.exit(f"real_cluster: --resim: no rows for executors {executors} in {work}/rows.json")
+    for row in targets:
+        executor = row["executor"]
+        slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        path = work / row.get("profile", f"profile-{executor}.json")
+        pcost = ProfiledCostModel(str(path))
+        clock = served_clock(path, (meta.get("serving") or {}).get(executor), pcost)
+        w = make_workload(row["workload"], meta["requests_per_point"], engine_slos(slo_cost, meta["slo_factor"]),
+                          slo_cost)
+        before = row["sim_goodput"]
+        sim = sim_search(w, row["policy"], clock, executor == "local", pcost)
+        row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL)
+        print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "
+              f"{sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
+    (work / "rows.json").write_text(json.dumps(rows, indent=1))
+    meta["sim_revision"] = source_revision()
     _finish(args, work, rows, meta)

@@ -30,22 +30,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from real_cluster import profile_engine
-from real_cluster_lib import INSTANCES, MAX_NUM_SEQS, WORKLOADS, Server, _at, engine_slos, make_workload, timeline_point
+from real_cluster_lib import WORKLOADS, Server, engine_slos, make_workload, sim_point, timeline_point
 
 from flowyard.cluster.timeline import Timeline
-from flowyard.core.metrics import summarize
 from flowyard.core.plan import BatchShape
-from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.costmodel.serving import server_ttfts
 from flowyard.experiments.report import md_table, source_revision
-from flowyard.policies.registry import PolicyOptions, build_policy
-from flowyard.sim.cluster import Topology
-from flowyard.sim.simulator import Simulator
 
 
 def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
@@ -77,15 +71,10 @@ def gaps_while_busy(steps) -> float:
     return sum(g for g in (b[0] - a[1] for a, b in zip(ends, ends[1:])) if 0 < g < 1.0)
 
 
-def sim_run(w, rate: float, policy: str, cost):
-    link = Link(1e12)  # an in-process copy
-    opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=cost, shared_device=True)
-    reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
+def sim_run(w, rate: float, policy: str, cost) -> tuple[dict, float]:
+    """The simulator's point of the in-process cluster at `rate`, and its busy seconds."""
     tl = Timeline()
-    res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link), shared_device=True,
-                    timeline=tl).run()
-    s = summarize(res.states, policy=policy)
-    return s, sum(end - start for _, start, end, _, _ in tl.steps)
+    return sim_point(w, rate, policy, cost, True, timeline=tl), sum(end - start for _, start, end, _, _ in tl.steps)
 
 
 def _q(v: list[float], q: float) -> float:
@@ -127,12 +116,12 @@ def main() -> None:
             rp = timeline_point(Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log"), tl, w,
                                 rate, slos)
             steps, server = real_steps(tl), server_ttfts(json.loads(tl.read_text()))
-            rows.append([f"{rate:g}", k + 1, f"{rp['attainment']:.2f} / {s.slo_attainment:.2f}",
-                         f"{rp['ttft_p50'] * 1e3:.0f} / {s.ttft['p50'] * 1e3:.0f}",
-                         f"{rp['ttft_p90'] * 1e3:.0f} / {s.ttft['p90'] * 1e3:.0f}",
+            rows.append([f"{rate:g}", k + 1, f"{rp['attainment']:.2f} / {s['attainment']:.2f}",
+                         f"{rp['ttft_p50'] * 1e3:.0f} / {s['ttft_p50'] * 1e3:.0f}",
+                         f"{rp['ttft_p90'] * 1e3:.0f} / {s['ttft_p90'] * 1e3:.0f}",
                          f"{statistics.median(server) * 1e3:.0f}" if server else "—",
-                         f"{rp['tpot_p50'] * 1e3:.0f} / {s.tpot['p50'] * 1e3:.0f}",
-                         f"{rp['tpot_p90'] * 1e3:.0f} / {s.tpot['p90'] * 1e3:.0f}",
+                         f"{rp['tpot_p50'] * 1e3:.0f} / {s['tpot_p50'] * 1e3:.0f}",
+                         f"{rp['tpot_p90'] * 1e3:.0f} / {s['tpot_p90'] * 1e3:.0f}",
                          f"{sum(st[1] for st in steps):.1f} / {sim_busy:.1f}", f"{gaps_while_busy(steps):.2f}"])
             for kind, v in sorted(step_ratios(steps, cost, ctx).items()):
                 ratio_rows.append([f"{rate:g}", k + 1, kind, len(v), f"{statistics.median(v):.2f}",

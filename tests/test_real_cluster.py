@@ -270,6 +270,43 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     assert sent == [(7, 0.5), (7, 0.5)]
     assert all(r["real"]["ttft_p50"] == 0.25 and r["sim"]["completed"] == 7 for r in got)
     assert [r["real_curve"] for r in got] == [r["real_curve"] for r in rows]  # the searches are kept
-    assert "3 requests per point (7 at the fixed rate)" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "3 requests per point (7 at the fixed rate)" in report
+    assert "measured again with 7 requests (`--refix`) at " in report  # with the revision and time it ran
     with pytest.raises(SystemExit, match="at least 2"):
         more.refix(argparse.Namespace(**{**vars(args), "refix": 1}))
+
+
+def test_resim_searches_every_simulated_goodput_again_and_keeps_the_real_points(tiny, tmp_path):
+    """`--resim`: the simulated goodput resolved to SIM_TOL with the row's profile; every real
+    point, curve and fixed-rate measurement stays as it was measured."""
+    import argparse
+
+    import real_cluster as script
+    import real_cluster_more as more
+
+    _, path, _ = tiny
+    (tmp_path / "profile-local.json").write_text(path.read_text())
+    slow = json.loads(path.read_text())  # the row's own profile (--reprofile): a machine far slower than the SLOs'
+    for sample in slow["samples"]:
+        sample["times"] = {op: 100 * t for op, t in sample["times"].items()}
+    (tmp_path / "profile-local-vllm.json").write_text(json.dumps(slow))
+    old = {"attainment": 1.0, "ttft_p50": 9.0, "ttft_p90": 9.0, "tpot_p50": 9.0, "tpot_p90": 9.0, "completed": 3}
+    rows = [{"executor": "local", "policy": "vllm", "workload": "conv-mixed", "real_goodput": 1.0, "sim_goodput": 0.0,
+             "real_curve": [[1.0, 1.0], [2.0, 0.5]], "sim_curve": [], "fixed_rate": 0.5, "real": old, "sim": old,
+             "revision": "abc", "profile": "profile-local-vllm.json"}]
+    meta = {"slo_factor": 4.0, "machine": "x", "command": "c", "requests_per_point": 24,
+            "slos": {"tpot_s": 0.1, "ttft_by_length": "0:1"}}
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    more.resim(argparse.Namespace(work_dir=str(tmp_path), executors="local", out=str(tmp_path / "report.md")))
+    (got,) = json.loads((tmp_path / "rows.json").read_text())
+    assert got["sim_goodput"] > 0 and got["sim_tol"] == script.SIM_TOL
+    ok = max(r for r, a in got["sim_curve"] if a >= 0.9)
+    above = [r for r, a in got["sim_curve"] if r > ok and a < 0.9]
+    assert above and min(above) - ok <= script.SIM_TOL * min(above) + 1e-9  # resolved to the tolerance
+    assert got["real_curve"] == rows[0]["real_curve"] and got["real"] == old  # real points kept
+    report = (tmp_path / "report.md").read_text()
+    assert "to within 2%" in report and "`--resim`" in report
+    with pytest.raises(SystemExit, match="no rows"):
+        more.resim(argparse.Namespace(work_dir=str(tmp_path), executors="ray", out=str(tmp_path / "r.md")))

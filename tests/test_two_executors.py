@@ -128,3 +128,25 @@ def test_simulator_and_cluster_decide_the_same_event_by_event(name, guard_model)
     assert len(sim.decisions) >= len(jobs)  # at least every route
     assert GUARD_SHOWS.get(name, set()) <= sim.kinds()  # the policy's own mechanisms were at work
     assert all(len(tokens[f"r{i}"]) == j.max_tokens for i, j in enumerate(jobs))
+
+
+def test_flowyard_on_a_shared_device_decides_the_same_event_by_event(guard_model):
+    """`flowyard serve` in one process builds flowyard with `shared_device` (its instances take
+    turns on one device, so it consolidates); the simulator of that cluster builds it the same
+    way, and the two must still agree decision by decision."""
+    import dataclasses
+
+    from guard_driver import profile_cost, run_cluster, simulate
+
+    model, tok = guard_model
+    cost = profile_cost(capacity=GUARD_KV)
+    jobs = guard_jobs()
+    opts = dataclasses.replace(guard_options("flowyard", cost), shared_device=True)
+    sim = simulate("flowyard", jobs, cost, opts, GUARD_BLOCK)
+    real, tokens = run_cluster("flowyard", jobs, cost, opts, model, tok, GUARD_BLOCK, GUARD_KV)
+    assert real.without_time() == sim.without_time()
+    assert [d.t for d in real.decisions] == pytest.approx([d.t for d in sim.decisions], abs=1e-9)
+    routes = [d.dst for d in sim.decisions if d.kind == "route"]
+    assert len(routes) == len(jobs)
+    assert routes.count(0) > routes.count(1)  # it fills the first instance first
+    assert all(len(tokens[f"r{i}"]) == j.max_tokens for i, j in enumerate(jobs))
