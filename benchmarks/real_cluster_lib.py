@@ -255,10 +255,11 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
              + "; ".join(f"`{k}` = {t} arrivals, prompts ≤ {i}, outputs ≤ {o}" for k, (t, i, o) in WORKLOADS.items())
              + "".join(f" Then: `{c}`." for c in meta.get("added_commands", [])), *serving_note(meta), "",
              "## Verdicts", "", *verdicts(rows, len(POLICIES)), "", "## Goodput (req/s at ≥ 90 % SLO attainment)", ""]
+    sim_tol = max((r.get("sim_tol", 0.15) for r in rows), default=0.15)  # rows before sim_tol: 15 %
+    resim = f" (searched again at {meta['sim_revision']}, `--resim`)" if meta.get("sim_revision") else ""
     lines += ["The real goodput is located between the highest rate that met the SLOs and the lowest rate "
               "above it that did not (∞: no rate above failed); the simulated one by its own search, to within "
-              f"{max((r.get('sim_tol', 0.15) for r in rows), default=0.15):.0%}" + (f" (searched again at {meta['sim_revision']}, `--resim`)"
-                                                    if meta.get("sim_revision") else "") + ". "
+              f"{sim_tol:.0%}{resim}. "
               "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "
               "its error, 0 when it is inside. \"Profile\" is the age of the profile that row's simulation "
               "used when its real runs began, and, where it was made for that row (`--reprofile`), what its "

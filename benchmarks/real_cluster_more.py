@@ -117,14 +117,17 @@ def resim(args) -> None:
     targets = [r for r in rows if r["executor"] in executors]
     if not targets:
         sys.exit(f"real_cluster: --resim: no rows for executors {executors} in {work}/rows.json")
+    workloads: dict[tuple[str, str], object] = {}  # (executor, workload) -> the run's workload, built once
     for row in targets:
         executor = row["executor"]
-        slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        if (executor, row["workload"]) not in workloads:
+            slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+            workloads[executor, row["workload"]] = make_workload(
+                row["workload"], meta["requests_per_point"], engine_slos(slo_cost, meta["slo_factor"]), slo_cost)
+        w = workloads[executor, row["workload"]]
         path = work / row.get("profile", f"profile-{executor}.json")
         pcost = ProfiledCostModel(str(path))
         clock = served_clock(path, (meta.get("serving") or {}).get(executor), pcost)
-        w = make_workload(row["workload"], meta["requests_per_point"], engine_slos(slo_cost, meta["slo_factor"]),
-                          slo_cost)
         before = row["sim_goodput"]
         sim = sim_search(w, row["policy"], clock, executor == "local", pcost)
         row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL)

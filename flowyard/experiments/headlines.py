@@ -77,7 +77,7 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # as Ray actors (in one process: the line above)
     "docs/results/real_cluster_ray.md": (_real_cluster, "ray-"),
     "docs/results/real_cluster_ray_conv_mixed.md": (_real_cluster, "ray-mixed-"),
-    # conv-mixed again at 64 requests a point: flowyard and the best others of the runs above
+    # 64 requests a point (24 squeeze a trace's arrivals into one burst): conv-mixed, then conv-short
     "docs/results/real_cluster_64.md": (_real_cluster, "c64-"),
     "docs/results/real_cluster_64_ray.md": (_real_cluster, "c64-ray-"),
     "docs/results/real_cluster_64_short.md": (_real_cluster, "s64-"),
