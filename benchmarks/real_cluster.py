@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              fit_serving_run, fixed_workload, make_workload, real_point, served_clock,
-                              sim_point, write_report)
+                              fit_serving_run, fixed_workload, make_workload, real_point, run_slos,
+                              served_clock, sim_point, write_report)
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -201,13 +201,17 @@ def main() -> None:
     rows: list[dict] = json.loads(done.read_text()) if done.exists() else []
     have = {(r["executor"], r["policy"], r["workload"]) for r in rows}
     serving: dict[str, dict] = {}  # executor -> its fitted serving terms (--fit-serving)
+    slos_by: dict[str, dict] = {}  # executor -> the SLOs its requests carry
+    prev_meta = json.loads((work / "meta.json").read_text()) if rows and (work / "meta.json").exists() else {}
     for executor in executors:
         prof_path = work / f"profile-{executor}.json"
         if not prof_path.exists():
             print(f"profiling the engine for {executor} ...", file=sys.stderr, flush=True)
             profile_engine(prof_path, 1 if executor == "ray" else None, args.profile_passes)
         cost = ProfiledCostModel(str(prof_path))
-        slos = engine_slos(cost, args.slo_factor)
+        # a resumed run keeps the SLOs its rows were judged by (run_slos), whatever this revision's model says
+        slos = run_slos(prev_meta, rows, executor, cost) if prev_meta else engine_slos(cost, args.slo_factor)
+        slos_by[executor] = {"tpot_s": slos.tpot, "ttft_by_length": slos.spec}
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
         # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
         fixed_ws = {name: fixed_workload(name, fixed_n, w.fixed_rate, slos, cost) for name, w in ws.items()}
@@ -266,12 +270,14 @@ def main() -> None:
     host = machine()  # the VM's host changes between sessions: family and model tell them apart
     meta = {"wall_s": time.time() - started, "slo_factor": args.slo_factor, "machine": f"{host['arch']}, {host['cpu']}",
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
+            "slos_by": slos_by,
             "requests_per_point": cfg.requests, "fixed_requests": fixed_n, "serving": serving}
     if have and (work / "meta.json").exists():  # a resumed run adds to the one before: keep its story
         prev = json.loads((work / "meta.json").read_text())
         meta.update(command=prev["command"], wall_s=(prev.get("wall_s") or 0) + meta["wall_s"],
                     added_commands=prev.get("added_commands", []) + [meta["command"]],
-                    serving={**(prev.get("serving") or {}), **serving})
+                    serving={**(prev.get("serving") or {}), **serving},
+                    slos_by={**(prev.get("slos_by") or {}), **slos_by})
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)

@@ -62,6 +62,19 @@ def engine_slos(cost, factor: float = 4.0) -> EngineSLOs:
                       spec=",".join(f"{lo}:{round(s, 2):g}" for lo, s in ttft.items()))
 
 
+def run_slos(meta: dict, rows: list[dict], executor: str, cost) -> EngineSLOs:
+    """The SLOs an earlier run of `executor` judged its requests by (meta.json), so that points
+    added to it, or simulated again, are judged alike even when this revision's cost model
+    prices the profile's prefills differently; from `cost` when the run recorded none. Runs
+    before `slos_by` stored the last executor's SLOs; they count only when its rows are of one."""
+    got = (meta.get("slos_by") or {}).get(executor)
+    if got is None and {r["executor"] for r in rows} == {executor}:
+        got = meta.get("slos")
+    if not got:
+        return engine_slos(cost, meta["slo_factor"])
+    return EngineSLOs(tpot=float(got["tpot_s"]), spec=str(got["ttft_by_length"]))
+
+
 @dataclass(frozen=True)
 class RealWorkload:
     name: str
@@ -206,7 +219,8 @@ def serving_note(meta: dict) -> list[str]:
            f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
            f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
            f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
-           f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps."
+           f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps"
+           + (f" (refitted on the same timeline at {sv['refit_revision']}, `--resim`)." if sv.get("refit_revision") else ".")
            for ex, sv in fits.items()]
     if out:
         out.append("The simulator clocks every step of that executor with these terms; its policies, like the "

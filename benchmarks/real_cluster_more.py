@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from real_cluster_lib import (ExperimentConfig, Server, engine_slos, fixed_workload, make_workload, real_point,
+from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
 
@@ -50,7 +50,7 @@ def add_rates(args) -> None:
     cfg = ExperimentConfig(requests=meta["requests_per_point"], model=args.model)
     for executor in sorted({r["executor"] for r in targets}):
         cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
-        slos = engine_slos(cost, meta["slo_factor"])
+        slos = run_slos(meta, rows, executor, cost)
         # the machine's speed now against the run's profile: an added point is comparable to
         # the search's points only if the machine has not drifted far since
         now_path = work / f"profile-{executor}-added-{time.strftime('%Y%m%d%H%M%S')}.json"
@@ -89,7 +89,7 @@ def refix(args) -> None:
     for executor in dict.fromkeys(r["executor"] for r in targets):
         path = work / f"profile-{executor}.json"
         cost = ProfiledCostModel(str(path))
-        slos = engine_slos(cost, meta["slo_factor"])
+        slos = run_slos(meta, rows, executor, cost)
         clock = served_clock(path, (meta.get("serving") or {}).get(executor), cost)
         for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
             mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
@@ -106,10 +106,27 @@ def refix(args) -> None:
     _finish(args, work, rows, meta)
 
 
+def refit_serving(work: Path, executor: str, fit: dict) -> dict:
+    """The executor's served-step terms fitted again, with this revision's cost model, on the
+    timeline the run fitted them on (kept in the work dir): the same steps, measured before any
+    row was. The frontend latency comes from the client's TTFT, which the timeline lacks, and
+    does not depend on the model: it is kept."""
+    from flowyard.costmodel.serving import fit_serving
+
+    timeline = work / f"fit-serving-{executor}-{fit['workload']}-{fit['policy']}.json"
+    if not timeline.exists():
+        sys.exit(f"real_cluster: --resim: the served-step fit's timeline {timeline} is missing")
+    prof = json.loads((work / f"profile-{executor}.json").read_text())
+    prof.pop("serving", None)
+    terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"])
+    return {**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"], "refit_revision": source_revision()}
+
+
 def resim(args) -> None:
-    """`--resim`: every row's simulated goodput searched again with this revision's simulated
-    search (real_cluster.sim_search), on the profile the row was simulated with and the run's
-    served-step terms. The real points and the fixed-rate point are kept as they were."""
+    """`--resim`: what the run simulated, again with this revision's simulator and cost model:
+    the served-step terms refitted on the run's own fit timeline, then every row's simulated
+    goodput searched again (real_cluster.sim_search) and its simulated fixed-rate point, on the
+    profile the row was simulated with and the SLOs its real requests carried. Real points stay."""
     from real_cluster import SIM_TOL, sim_search  # the script's own module: imported when called
 
     work, rows, meta = _finished_run(args, "--resim")
@@ -117,22 +134,32 @@ def resim(args) -> None:
     targets = [r for r in rows if r["executor"] in executors]
     if not targets:
         sys.exit(f"real_cluster: --resim: no rows for executors {executors} in {work}/rows.json")
-    workloads: dict[tuple[str, str], object] = {}  # (executor, workload) -> the run's workload, built once
+    serving = meta.get("serving") or {}
+    for executor in {r["executor"] for r in targets} & set(serving):
+        serving[executor] = refit_serving(work, executor, serving[executor])
+        (work / f"serving-{executor}.json").write_text(json.dumps(serving[executor]))
+        print(f"{executor:>5} served-step terms refitted: scale {serving[executor]['scale']:.3f}, "
+              f"{serving[executor]['row_s'] * 1e3:.2f} ms per row", file=sys.stderr, flush=True)
+    workloads: dict[tuple[str, str, int], object] = {}  # (executor, workload, requests) -> workload, built once
     for row in targets:
         executor = row["executor"]
-        if (executor, row["workload"]) not in workloads:
-            slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
-            workloads[executor, row["workload"]] = make_workload(
-                row["workload"], meta["requests_per_point"], engine_slos(slo_cost, meta["slo_factor"]), slo_cost)
-        w = workloads[executor, row["workload"]]
+        slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        slos = run_slos(meta, rows, executor, slo_cost)
+        key = (executor, row["workload"], meta["requests_per_point"])
+        if key not in workloads:
+            workloads[key] = make_workload(row["workload"], meta["requests_per_point"], slos, slo_cost)
+        w = workloads[key]
         path = work / row.get("profile", f"profile-{executor}.json")
         pcost = ProfiledCostModel(str(path))
-        clock = served_clock(path, (meta.get("serving") or {}).get(executor), pcost)
+        clock = served_clock(path, serving.get(executor), pcost)
         before = row["sim_goodput"]
         sim = sim_search(w, row["policy"], clock, executor == "local", pcost)
-        row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL)
+        fixed = fixed_workload(row["workload"], meta.get("fixed_requests") or meta["requests_per_point"],
+                               row["fixed_rate"], slos, slo_cost)
+        row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL,
+                   sim=sim_point(fixed, row["fixed_rate"], row["policy"], clock, executor == "local", pcost))
         print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "
               f"{sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
     (work / "rows.json").write_text(json.dumps(rows, indent=1))
-    meta["sim_revision"] = source_revision()
+    meta.update(sim_revision=source_revision(), serving=serving)
     _finish(args, work, rows, meta)

@@ -286,15 +286,20 @@ def test_resim_searches_every_simulated_goodput_again_and_keeps_the_real_points(
     import real_cluster as script
     import real_cluster_more as more
 
-    measured = Path(__file__).parent.parent / "benchmarks/results/real_cluster_64/profile-local.json"
+    run = Path(__file__).parent.parent / "benchmarks/results/real_cluster_64"
+    measured = run / "profile-local.json"
     (tmp_path / "profile-local.json").write_text(measured.read_text())
     (tmp_path / "profile-local-vllm.json").write_text(measured.read_text())  # the row's own (--reprofile)
+    timeline = "fit-serving-local-conv-short-vllm.json"  # the run's served-step fit, refitted on its timeline
+    (tmp_path / timeline).write_text((run / timeline).read_text())
+    fit = {"scale": 9.0, "row_s": 0.5, "step_s": 0.0, "frontend_s": 0.012, "fitted_on": "x", "steps": 1,
+           "median_error_before": 0.0, "median_error_after": 0.0, "workload": "conv-short", "policy": "vllm", "rate": 1}
     old = {"attainment": 1.0, "ttft_p50": 9.0, "ttft_p90": 9.0, "tpot_p50": 9.0, "tpot_p90": 9.0, "completed": 3}
     rows = [{"executor": "local", "policy": "vllm", "workload": "conv-mixed", "real_goodput": 1.0, "sim_goodput": 0.0,
              "real_curve": [[1.0, 1.0], [2.0, 0.5]], "sim_curve": [], "fixed_rate": 0.5, "real": old, "sim": old,
              "revision": "abc", "profile": "profile-local-vllm.json"}]
-    meta = {"slo_factor": 4.0, "machine": "x", "command": "c", "requests_per_point": 24,
-            "slos": {"tpot_s": 0.1, "ttft_by_length": "0:1"}}
+    meta = {"slo_factor": 4.0, "machine": "x", "command": "c", "requests_per_point": 24, "fixed_requests": 8,
+            "slos": {"tpot_s": 0.1, "ttft_by_length": "0:1"}, "serving": {"local": fit}}
     (tmp_path / "rows.json").write_text(json.dumps(rows))
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     more.resim(argparse.Namespace(work_dir=str(tmp_path), executors="local", out=str(tmp_path / "report.md")))
@@ -304,7 +309,25 @@ def test_resim_searches_every_simulated_goodput_again_and_keeps_the_real_points(
     above = [r for r, a in got["sim_curve"] if r > ok and a < 0.9]
     assert above and min(above) - ok <= script.SIM_TOL * min(above) + 1e-9  # resolved to the tolerance
     assert got["real_curve"] == rows[0]["real_curve"] and got["real"] == old  # real points kept
+    assert got["sim"] != old and got["sim"]["completed"] == 8  # the simulated fixed-rate point again
+    refit = json.loads((tmp_path / "meta.json").read_text())["serving"]["local"]
+    assert 0.5 < refit["scale"] < 2 and refit["row_s"] < 0.1 and refit["frontend_s"] == 0.012  # not the 9x put in
+    assert json.loads((tmp_path / "serving-local.json").read_text()) == refit
     report = (tmp_path / "report.md").read_text()
     assert "to within 2%" in report and "`--resim`" in report
     with pytest.raises(SystemExit, match="no rows"):
         more.resim(argparse.Namespace(work_dir=str(tmp_path), executors="ray", out=str(tmp_path / "r.md")))
+
+
+def test_points_added_to_a_run_are_judged_by_the_slos_its_requests_carried():
+    """An earlier run's SLOs come from its meta.json, not from this revision's price of its
+    profile (a better attention model moves every TTFT SLO); per executor since `slos_by`."""
+    cost = ProfiledCostModel(str(Path(__file__).parent.parent / "benchmarks/results/real_cluster_64/profile-local.json"))
+    own = rc.engine_slos(cost, 4.0)
+    stored = {"tpot_s": 0.5, "ttft_by_length": "0:3"}
+    rows = [{"executor": "ray"}]
+    assert rc.run_slos({"slo_factor": 4.0, "slos": stored}, rows, "ray", cost) == rc.EngineSLOs(0.5, "0:3")
+    both = rows + [{"executor": "local"}]  # an old two-executor run stored only its last executor's
+    assert rc.run_slos({"slo_factor": 4.0, "slos": stored}, both, "ray", cost) == own
+    by = {"slo_factor": 4.0, "slos": stored, "slos_by": {"local": {"tpot_s": 0.2, "ttft_by_length": "0:1"}}}
+    assert rc.run_slos(by, both, "local", cost) == rc.EngineSLOs(0.2, "0:1")

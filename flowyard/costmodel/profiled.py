@@ -7,8 +7,17 @@ last segment. The curve is made non-decreasing (a running maximum over the token
 noisy sample must not make more tokens cost less, since the schedulers' budget searches bisect
 on step time. The others get a small linear form in the features that drive their cost:
 
-  attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_kv + e * decode_seqs + f * decode_ctx
+  attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_work + e * prefill_kv
+            + f * decode_seqs + g * decode_ctx
   other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
+
+`prefill_work` is the query-key products the engine's prefill kernel computes, which is not the
+causal pair count: PyTorch's CPU flash kernel takes keys in blocks of 512 (all of them below
+512) and skips only whole blocks past the diagonal, and a chunk after history runs with an
+explicit mask and skips nothing. Pairs alone priced mid-length prompts (256-512 tokens, where
+the kernel does twice the pairs' work) a quarter too low and 1,024-token ones right. Both
+features are offered; the fit keeps the one the profile's kernel follows (a GPU kernel that
+skips at fine granularity follows the pairs).
 
 plus the engine's measured per-step time outside the forward pass (`engine_overhead_s`), and,
 when the profile has a `serving` block (`flowyard.costmodel.serving`), what a served step adds:
@@ -38,11 +47,29 @@ class ProfileError(ValueError):
     pass
 
 
+KEY_BLOCK = 512  # keys per block in PyTorch's CPU flash-attention kernel, for 512 keys or more
+
+
+def prefill_work(s: BatchShape) -> np.ndarray:
+    """Query-key products the CPU flash kernel computes for the shape's prefill slices, from
+    their mean length n and mean history h (exact for one slice or equal ones). Fresh prompt:
+    key block b (width w_b) is computed for every query from 512*b on, so the sum is
+    512*k*n - 512^2*k*(k-1)/2 + r^2 with n = 512*k + r (n^2 below 512 keys). After history:
+    n * (h + n), as the masked call skips nothing."""
+    seqs = np.maximum(np.asarray(s.prefill_seqs, dtype=float), 1.0)
+    n = np.asarray(s.prefill_tokens, dtype=float) / seqs
+    h = np.maximum(np.asarray(s.prefill_kv, dtype=float) / seqs - n, 0.0)
+    k = np.floor(n / KEY_BLOCK)
+    r = n - KEY_BLOCK * k
+    fresh = KEY_BLOCK * k * n - KEY_BLOCK ** 2 * k * (k - 1) / 2 + r * r
+    return seqs * np.where(h >= 0.5, n * (h + n), fresh) * (np.asarray(s.prefill_seqs) > 0)
+
+
 def _features(op: str, s: BatchShape) -> list:
     one = 1.0 + 0.0 * np.asarray(s.decode_ctx, dtype=float)  # broadcast to the run's shape
     if op == "attn":
-        return [one, one * s.prefill_seqs, one * s.prefill_attn, one * s.prefill_kv, one * s.decode_seqs,
-                s.decode_ctx * one]
+        return [one, one * s.prefill_seqs, one * s.prefill_attn, one * prefill_work(s), one * s.prefill_kv,
+                one * s.decode_seqs, s.decode_ctx * one]
     if op == "step_other":
         return [one, one * s.tokens, one * (s.prefill_seqs + s.decode_seqs)]
     return [one, one * s.tokens]

@@ -45,7 +45,9 @@ def spread(ctx: int, n: int) -> list[int]:
 
 def default_grid(quick: bool = False) -> list[GridPoint]:
     """Prefill-only, decode-only and mixed shapes spanning what a CPU instance serves."""
-    pre = [16, 64, 256, 1024] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
+    # 512 is where the CPU attention kernel starts to take keys in blocks (ProfiledCostModel's
+    # prefill_work): the quick grid samples both sides of it.
+    pre = [16, 64, 128, 256, 512, 1024] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
     # Every small batch size: CPU GEMMs with an odd number of rows are much slower than their
     # neighbours (3 decodes took 126 ms, 4 took 94 ms), which powers of two alone interpolate away.
     batches = [1, 3, 4, 16] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64]
