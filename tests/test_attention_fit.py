@@ -60,3 +60,16 @@ def test_a_quick_profile_prices_prompt_lengths_it_did_not_sample():
         assert got == pytest.approx(s["times"]["attn"], rel=0.15), sh
         checked += 1
     assert checked >= 3
+
+
+def test_the_benchmark_reports_both_models_on_the_held_out_shapes():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import attention_fit
+
+    quick = json.loads((RESULTS / "real_cluster_64/profile-local.json").read_text())
+    full = json.loads((RESULTS / "attention_fit/profile-full-local.json").read_text())
+    text = "\n".join(attention_fit.section(2, quick, full, (1.0, 2.0)))
+    assert "| pairs | attention |" in text and "| kernel work | whole step |" in text
+    assert "| prefill 2048 | 36.231 |" in text  # a held-out shape, with its measured time

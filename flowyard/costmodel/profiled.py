@@ -47,6 +47,7 @@ class ProfileError(ValueError):
     pass
 
 
+WORK_COLUMN = 3  # prefill_work's place among the attention features
 KEY_BLOCK = 512  # keys per block in PyTorch's CPU flash-attention kernel, for 512 keys or more
 
 
@@ -90,7 +91,10 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class ProfiledCostModel(CostModel):
-    def __init__(self, profile: dict | str | Path, kv_capacity_tokens: int | None = None) -> None:
+    def __init__(self, profile: dict | str | Path, kv_capacity_tokens: int | None = None,
+                 kernel_work: bool = True) -> None:
+        """kernel_work=False fits attention on the causal pairs alone (the ablation
+        benchmarks/attention_fit.py reports)."""
         if not isinstance(profile, dict):
             path = Path(profile)
             try:
@@ -130,6 +134,8 @@ class ProfiledCostModel(CostModel):
                 self.curve[op] = (xs, np.maximum.accumulate([t[tokens == x].mean() for x in xs]))
                 continue
             x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
+            if op == "attn" and not kernel_work:
+                x[:, WORK_COLUMN] = 0.0  # nnls then leaves its coefficient at zero
             w = 1.0 / np.maximum(t, 1e-6)
             self.coef[op] = nnls(x * w[:, None], t * w)
         self.fit_error = {op: self._rel_error(op, shapes, t) for op, t in times.items()}
