@@ -213,6 +213,9 @@ def main() -> None:
         slos = run_slos(prev_meta, rows, executor, cost) if prev_meta else engine_slos(cost, args.slo_factor)
         slos_by[executor] = {"tpot_s": slos.tpot, "ttft_by_length": slos.spec}
         ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
+        # ... and the fixed rate its rows were measured at, so every policy's point is at one rate
+        kept = {r["workload"]: r["fixed_rate"] for r in rows if r["executor"] == executor}
+        ws = {name: replace(w, fixed_rate=kept.get(name, w.fixed_rate)) for name, w in ws.items()}
         # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
         fixed_ws = {name: fixed_workload(name, fixed_n, w.fixed_rate, slos, cost) for name, w in ws.items()}
         if args.fit_serving:  # a model of the served steps for the simulator's clock only
