@@ -208,3 +208,26 @@ def test_a_release_that_overtakes_its_take_frees_the_kv(tiny, ray_session):
     assert actor._take(0, {}, True, 16) is not None
     snap = asyncio.run(actor.snapshot(next(seq)))
     assert snap.kv_free_blocks == snap.kv_total_blocks and not actor.held
+
+
+def test_an_arrival_behind_a_kv_release_reaches_a_running_prefill(tiny):
+    """On a prefill instance the driver releases each moved request's KV while the next prefill
+    runs; an arrival queued behind that release must still reach the scheduler at the next
+    operator boundary (it waited for the step's end, and FlowPrefill almost never preempted)."""
+    import asyncio
+
+    from flowyard.runtime.ray_actor import EngineActor
+
+    d, _ = tiny
+    policy = build_policy("flowprefill", PolicyOptions(num_instances=2, max_num_seqs=8,
+                                                       predictor=make_cost_model("smollm2-135m", "cpu")))
+    actor = EngineActor(d, CONFIG, 0, policy, 0.0)
+    state = RequestState(new_request(7, 0.0, PROMPTS[1], GREEDY, None, 4096))
+    actor.inbox.append(("release", 99))  # a request that left earlier
+    asyncio.run(actor.add_request(0, "r7", state, GREEDY))
+    actor._at_boundary()
+    assert not actor.inbox and actor.engine.tracked("r7") is not None
+    actor.inbox.append(("abort", "r7"))  # an abort keeps its place: nothing after it jumps ahead
+    asyncio.run(actor.add_request(1, "r8", RequestState(new_request(8, 0.0, PROMPTS[2], GREEDY, None, 4096)), GREEDY))
+    actor._at_boundary()
+    assert [c[0] for c in actor.inbox] == ["abort", "add"]

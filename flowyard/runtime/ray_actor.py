@@ -180,13 +180,17 @@ class EngineActor(LockstepActor):
                           None if wake is None else max(0.0, wake - e.now()))
 
     def _at_boundary(self) -> None:
+        """New requests, and KV releases, which concern requests that left long ago: a release
+        ahead of an add held every arrival to the step's end on a prefill instance whose KV moves
+        out after each prompt (FlowPrefill disaggregated ran 1 preemption where the simulator
+        ran 24, issue 30)."""
         self._drain(only_adds=True)
 
     def _drain(self, only_adds: bool = False) -> None:
         if self.arriving and not only_adds:
             self._receive()
         while self.inbox:
-            if only_adds and self.inbox[0][0] != "add":
+            if only_adds and self.inbox[0][0] not in ("add", "release"):
                 return  # keep the order of an abort or a migration and what follows it
             cmd = self.inbox.popleft()
             getattr(self, "_apply_" + cmd[0])(*cmd[1:])
