@@ -236,9 +236,10 @@ def main() -> None:
             # The machine's speed drifts between sessions (the same steps cost 1.16-1.29x more
             # than the evening before), so a resumed run's profile may describe another day's
             # machine: rows record its age. --reprofile gives each policy its own profile, made
-            # just before its runs (the SLOs stay those of the first).
+            # just before its runs (the SLOs stay those of the first), even where an earlier
+            # attempt left one (a row measured again must not be simulated on a stale machine).
             pol_path = work / f"profile-{executor}-{policy}.json"
-            if args.reprofile and not pol_path.exists():
+            if args.reprofile:
                 print(f"profiling the engine before {policy} ...", file=sys.stderr, flush=True)
                 profile_engine(pol_path, 1 if executor == "ray" else None, args.profile_passes)
             if not args.reprofile:
