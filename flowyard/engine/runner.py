@@ -108,7 +108,7 @@ class ModelRunner:
 
     # -- KV movement between instances (used by the runtime) -------------------------------
     def export_kv(self, blocks: list[int]) -> torch.Tensor:
-        return self.kv_cache[:, :, blocks].clone()
+        return self.kv_cache[:, :, blocks]  # a list index gathers into a new tensor: already a copy
 
     def import_kv(self, blocks: list[int], data: torch.Tensor) -> None:
         self.kv_cache[:, :, blocks] = data.to(self.kv_cache.dtype)

@@ -25,7 +25,8 @@ from flowyard.engine.llm_engine import LLMEngine, TrackedRequest
 from flowyard.engine.sampling import RequestOutput, SamplingParams
 from flowyard.policies.framework.contracts import InstanceSnapshot, StepResult
 from flowyard.runtime.lockstep import LockstepActor
-from flowyard.runtime.ray_reports import StepCounters, StepReport, import_kv_chunks  # noqa: F401 - import_kv_chunks: tests
+from flowyard.runtime.ray_reports import (StepCounters, StepReport, import_kv_chunks,  # noqa: F401 - import_kv_chunks: tests
+                                          kv_payload, kv_tensor)
 
 
 class EngineActor(LockstepActor):
@@ -293,7 +294,8 @@ class EngineActor(LockstepActor):
         for k, v in fields.items():
             setattr(st, k, v)
         table = e.kv.block_table(st.id)[: -(-st.num_computed // e.kv.block_size)]
-        kv = [ray.put(e.runner.export_kv(table[i:i + chunk_blocks])) for i in range(0, len(table), chunk_blocks)]
+        kv = [ray.put(kv_payload(e.runner.export_kv(table[i:i + chunk_blocks])))
+              for i in range(0, len(table), chunk_blocks)]
         # the Transport contract: the source frees the KV once the destination admits it
         if keep and st.id not in self.released_early:
             self.held.add(st.id)
@@ -317,7 +319,8 @@ class EngineActor(LockstepActor):
             t0, src = e.now(), self._src.pop(st.id, -1)
             self.admitted.append((st.id, src))  # imported or lost: the source may free its copy
             try:
-                import_kv_chunks(e.runner, e.kv.block_table(st.id), kv_of.pop(st.id), st.num_computed, ray.get)
+                import_kv_chunks(e.runner, e.kv.block_table(st.id), kv_of.pop(st.id), st.num_computed,
+                                 lambda ref: kv_tensor(ray.get(ref)))
             except Exception as err:  # noqa: BLE001 - any loss of the KV objects
                 rid = e.tracked_by_id(st.id).request_id
                 e.scheduler.migration_arrived(st, e.now())

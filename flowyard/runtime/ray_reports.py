@@ -9,8 +9,12 @@ Transport contract: a source keeps a moved request's KV until the destination ad
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import numpy as np
+import torch
 
 from flowyard.engine.preemption import PreemptionStats
 from flowyard.engine.sampling import RequestOutput
@@ -48,6 +52,26 @@ class StepReport:
     wake: float | None = None
     counters: StepCounters | None = None  # prefix cache and adds taken in (EngineActor._report)
     wake_in: float | None = None
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def kv_payload(t: torch.Tensor) -> tuple[str, np.ndarray]:
+    """A KV chunk as the object store takes it fastest: its bits as a NumPy array, which Ray
+    pickles out of band (one copy into the store), and its dtype. A torch tensor is pickled in
+    band: putting a 320-token chunk of the embedded model took 16 ms against 4 ms, on the
+    source's worker thread, before its next step (a prefill instance hands off every prompt)."""
+    return str(t.dtype).removeprefix("torch."), t.contiguous().view(_BITS[t.element_size()]).numpy()
+
+
+def kv_tensor(payload: tuple[str, np.ndarray]) -> torch.Tensor:
+    """The chunk `kv_payload` made, read in place from the object store (read-only: the
+    importer only copies out of it)."""
+    dtype, bits = payload
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(bits).view(getattr(torch, dtype))
 
 
 def import_kv_chunks(runner, table: list[int], chunks: list, num_computed: int, fetch) -> int:
