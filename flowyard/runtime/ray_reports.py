@@ -65,9 +65,9 @@ def kv_payload(t: torch.Tensor) -> tuple[str, np.ndarray]:
     return str(t.dtype).removeprefix("torch."), t.contiguous().view(_BITS[t.element_size()]).numpy()
 
 
-def kv_tensor(payload: tuple[str, np.ndarray]) -> torch.Tensor:
-    """The chunk `kv_payload` made, read in place from the object store (read-only: the
-    importer only copies out of it)."""
+def kv_tensor(payload: Any) -> torch.Tensor:
+    """The chunk `kv_payload` made (its dtype's name and its bits), read in place from the
+    object store (read-only: the importer only copies out of it)."""
     dtype, bits = payload
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
