@@ -212,10 +212,10 @@ def main() -> None:
         # a resumed run keeps the SLOs its rows were judged by (run_slos), whatever this revision's model says
         slos = run_slos(prev_meta, rows, executor, cost) if prev_meta else engine_slos(cost, args.slo_factor)
         slos_by[executor] = {"tpot_s": slos.tpot, "ttft_by_length": slos.spec}
-        ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
         # ... and the fixed rate its rows were measured at, so every policy's point is at one rate
         kept = {r["workload"]: r["fixed_rate"] for r in rows if r["executor"] == executor}
-        ws = {name: replace(w, fixed_rate=kept.get(name, w.fixed_rate)) for name, w in ws.items()}
+        ws = {name: make_workload(name, cfg.requests, slos, cost) for name in workloads}
+        ws = {name: replace(w, fixed_rate=kept[name]) if name in kept else w for name, w in ws.items()}
         # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
         fixed_ws = {name: fixed_workload(name, fixed_n, w.fixed_rate, slos, cost) for name, w in ws.items()}
         if args.fit_serving:  # a model of the served steps for the simulator's clock only
@@ -276,12 +276,11 @@ def main() -> None:
             "command": " ".join(sys.argv), "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec},
             "slos_by": slos_by,
             "requests_per_point": cfg.requests, "fixed_requests": fixed_n, "serving": serving}
-    if have and (work / "meta.json").exists():  # a resumed run adds to the one before: keep its story
-        prev = json.loads((work / "meta.json").read_text())
-        meta.update(command=prev["command"], wall_s=(prev.get("wall_s") or 0) + meta["wall_s"],
-                    added_commands=prev.get("added_commands", []) + [meta["command"]],
-                    serving={**(prev.get("serving") or {}), **serving},
-                    slos_by={**(prev.get("slos_by") or {}), **slos_by})
+    if prev_meta:  # a resumed run adds to the one before: keep its story
+        meta.update(command=prev_meta["command"], wall_s=(prev_meta.get("wall_s") or 0) + meta["wall_s"],
+                    added_commands=prev_meta.get("added_commands", []) + [meta["command"]],
+                    serving={**(prev_meta.get("serving") or {}), **serving},
+                    slos_by={**(prev_meta.get("slos_by") or {}), **slos_by})
     (work / "meta.json").write_text(json.dumps(meta, indent=1))
     path = write_report(rows, meta, Path(args.out))
     print(f"wrote {path} in {meta['wall_s'] / 60:.1f} min", file=sys.stderr)

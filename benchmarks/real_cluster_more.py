@@ -140,15 +140,18 @@ def resim(args) -> None:
         (work / f"serving-{executor}.json").write_text(json.dumps(serving[executor]))
         print(f"{executor:>5} served-step terms refitted: scale {serving[executor]['scale']:.3f}, "
               f"{serving[executor]['row_s'] * 1e3:.2f} ms per row", file=sys.stderr, flush=True)
-    workloads: dict[tuple[str, str, int], object] = {}  # (executor, workload, requests) -> workload, built once
+    judged = {}  # executor -> the profile its SLOs came from and those SLOs, read once
+    for executor in {r["executor"] for r in targets}:
+        slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
+        judged[executor] = slo_cost, run_slos(meta, rows, executor, slo_cost)
+    workloads: dict[tuple[str, str], object] = {}  # (executor, workload) -> the run's workload, built once
     for row in targets:
         executor = row["executor"]
-        slo_cost = ProfiledCostModel(str(work / f"profile-{executor}.json"))
-        slos = run_slos(meta, rows, executor, slo_cost)
-        key = (executor, row["workload"], meta["requests_per_point"])
-        if key not in workloads:
-            workloads[key] = make_workload(row["workload"], meta["requests_per_point"], slos, slo_cost)
-        w = workloads[key]
+        slo_cost, slos = judged[executor]
+        if (executor, row["workload"]) not in workloads:
+            workloads[executor, row["workload"]] = make_workload(row["workload"], meta["requests_per_point"], slos,
+                                                                 slo_cost)
+        w = workloads[executor, row["workload"]]
         path = work / row.get("profile", f"profile-{executor}.json")
         pcost = ProfiledCostModel(str(path))
         clock = served_clock(path, serving.get(executor), pcost)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,9 @@ from hypothesis import strategies as st
 
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.profiled import KEY_BLOCK, ProfiledCostModel, prefill_work
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import attention_fit  # noqa: E402
 
 RESULTS = Path(__file__).parent.parent / "benchmarks/results"
 
@@ -47,14 +51,13 @@ def test_a_quick_profile_prices_prompt_lengths_it_did_not_sample():
     """Fitted on a run's quick profile, the attention of fresh prompts of 512 and 2,048 tokens
     and of a 256-token chunk after 1,024 cached ones, measured by a full profile of the same
     machine that day; pairs alone missed them by a quarter to a third."""
-    quick = ProfiledCostModel(str(RESULTS / "real_cluster_64/profile-local.json"))
+    profile = json.loads((RESULTS / "real_cluster_64/profile-local.json").read_text())
+    quick = ProfiledCostModel(profile)
     full = json.loads((RESULTS / "attention_fit/profile-full-local.json").read_text())
-    sampled = {json.dumps(s["shape"], sort_keys=True) for s in
-               json.loads((RESULTS / "real_cluster_64/profile-local.json").read_text())["samples"]}
     checked = 0
-    for s in full["samples"]:
+    for s in attention_fit.held_out(profile, full):
         sh = s["shape"]
-        if json.dumps(sh, sort_keys=True) in sampled or sh["decode_seqs"] or sh["prefill_tokens"] < 256:
+        if sh["decode_seqs"] or sh["prefill_tokens"] < 256:
             continue
         got = float(quick.layer_op_times(BatchShape(**sh))["attn"])
         assert got == pytest.approx(s["times"]["attn"], rel=0.15), sh
@@ -63,11 +66,6 @@ def test_a_quick_profile_prices_prompt_lengths_it_did_not_sample():
 
 
 def test_the_benchmark_reports_both_models_on_the_held_out_shapes():
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    import attention_fit
-
     quick = json.loads((RESULTS / "real_cluster_64/profile-local.json").read_text())
     full = json.loads((RESULTS / "attention_fit/profile-full-local.json").read_text())
     text = "\n".join(attention_fit.section(2, quick, full, (1.0, 2.0)))

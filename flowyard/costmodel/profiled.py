@@ -14,8 +14,8 @@ on step time. The others get a small linear form in the features that drive thei
 `prefill_work` is the query-key products the engine's prefill kernel computes, which is not the
 causal pair count: PyTorch's CPU flash kernel takes keys in blocks of 512 (all of them below
 512) and skips only whole blocks past the diagonal, and a chunk after history runs with an
-explicit mask and skips nothing. Pairs alone priced mid-length prompts (256-512 tokens, where
-the kernel does twice the pairs' work) a quarter too low and 1,024-token ones right. Both
+explicit mask and skips nothing. Pairs alone underpriced mid-length prompts (256-512 tokens,
+where the kernel does twice the pairs' work; benchmarks/attention_fit.py measures it). Both
 features are offered; the fit keeps the one the profile's kernel follows (a GPU kernel that
 skips at fine granularity follows the pairs).
 

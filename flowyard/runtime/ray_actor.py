@@ -183,8 +183,7 @@ class EngineActor(LockstepActor):
     def _at_boundary(self) -> None:
         """New requests, and KV releases, which concern requests that left long ago: a release
         ahead of an add held every arrival to the step's end on a prefill instance whose KV moves
-        out after each prompt (FlowPrefill disaggregated ran 1 preemption where the simulator
-        ran 24, issue 30)."""
+        out after each prompt, so FlowPrefill on Ray all but never preempted (issue 30)."""
         self._drain(only_adds=True)
 
     def _drain(self, only_adds: bool = False) -> None:

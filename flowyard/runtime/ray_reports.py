@@ -60,8 +60,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def kv_payload(t: torch.Tensor) -> tuple[str, np.ndarray]:
     """A KV chunk as the object store takes it fastest: its bits as a NumPy array, which Ray
     pickles out of band (one copy into the store), and its dtype. A torch tensor is pickled in
-    band: putting a 320-token chunk of the embedded model took 16 ms against 4 ms, on the
-    source's worker thread, before its next step (a prefill instance hands off every prompt)."""
+    band, several times slower, and the put runs on the source's worker thread before its next
+    step (a prefill instance hands off every prompt; docs/benchmarks.md has the measurement)."""
     return str(t.dtype).removeprefix("torch."), t.contiguous().view(_BITS[t.element_size()]).numpy()
 
 
