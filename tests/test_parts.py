@@ -70,7 +70,7 @@ def test_what_a_policy_needs_is_declared_and_enforced(name):
             build_policy(name, PolicyOptions(num_instances=4, num_prefill=2))
     else:
         build_policy(name, PolicyOptions(num_instances=4, num_prefill=2))
-    assert needs == (name not in ("vllm", "round-robin", "least-load", "distserve", "distserve-cp2k",
+    assert needs == (name not in ("vllm", "prefill-first", "round-robin", "least-load", "distserve", "distserve-cp2k",
                                   "distserve-cp8k"))
 
 

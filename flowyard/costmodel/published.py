@@ -15,7 +15,9 @@ Kinds (what `flowyard.costmodel.fit.predict` compares against):
   ridge         prefill tokens where a lone prefill turns compute-bound (a range [lo, hi])
   generation    end-to-end latency (ms) of a batch that prefills together and decodes in lockstep
   serving       a serving run replayed in the simulator (`metric`: ttft_p50, tpot_p50 in ms,
-                throughput_rps)
+                throughput_rps); `workload.scheduler` names the policy the measured engine
+                ran: "vllm" (chunked prefill beside decodes, the default) or "prefill-first"
+                (vLLM V0 without chunked prefill, SGLang without mixed chunks)
 A point with `hi` set is a range: the error is 0 inside it, else the distance to the nearest end.
 
 Derived points keep their derivation as data and the loader computes it: `parts` (a sum of
@@ -37,6 +39,7 @@ from flowyard.costmodel.models import ModelSpec
 DATA = Path(__file__).resolve().parents[1] / "data" / "published_points.json"
 KINDS = ("step", "attn_prefill", "attn_decode", "cpu_overhead", "ridge", "generation", "serving")
 METRICS = ("ttft_p50", "tpot_p50", "throughput_rps")
+SCHEDULERS = ("vllm", "prefill-first")
 
 # Models the sources measured that are not in our catalog (shapes from their config.json).
 LLAMA2_7B = ModelSpec("llama-2-7b", hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128,
@@ -116,6 +119,8 @@ def point_from_dict(d: dict[str, Any]) -> Point:
             raise ValueError(f"unknown kind {kind!r}")
         if kind == "serving" and d.get("metric") not in METRICS:
             raise ValueError(f"serving point needs a metric in {METRICS}")
+        if d.get("workload", {}).get("scheduler", "vllm") not in SCHEDULERS:
+            raise ValueError(f"workload scheduler must be one of {SCHEDULERS}")
         measured = float(sum(d["parts"])) if "parts" in d else float(d["measured"])
         prefills = _pairs("prefills", d.get("prefills", ()))
         decodes = _pairs("decodes", d.get("decodes", ()))

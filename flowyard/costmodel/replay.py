@@ -1,8 +1,10 @@
 """Published serving runs replayed in the simulator: P50 TTFT, P50 TPOT, throughput.
 
 A serving point states its run (dataset, request rate or closed-loop concurrency, number of
-requests, model, GPU and TP); we replay it with the colocated vLLM-style policy on one
-instance priced by the cost model under test and read the same metric. The ShareGPT lengths
+requests, model, GPU and TP); we replay it on one instance priced by the cost model under
+test, scheduled as the measured engine schedules (`workload.scheduler`: "vllm", chunked
+prefill beside decodes, or "prefill-first", vLLM V0 and SGLang before mixed chunks, whose
+prefills stall the decodes), and read the same metric. The ShareGPT lengths
 come from our bundled ShareGPT sample (whole conversations, flowyard/data/traces), kept where
 vLLM's benchmark keeps a request (prompt 4-1024 tokens, prompt + output at most 2048) and
 scaled so the means match a published first-turn draw of the benchmark (FIRST_TURN): the
@@ -64,7 +66,8 @@ def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
     trace = sharegpt_first_turn() if w["trace"] == "sharegpt" else str(w["trace"])
     cfg = SimConfig(trace=trace, model=model, hardware=point.hardware, tp=tp,
                     rate=w.get("rate"), num_requests=int(w["num_requests"]),
-                    concurrency=w.get("concurrency"), seed=int(w.get("seed", 0)), policy="vllm")
+                    concurrency=w.get("concurrency"), seed=int(w.get("seed", 0)),
+                    policy=str(w.get("scheduler", "vllm")))
     summary, _ = simulate(cfg, cost_model=RooflineCostModel(point.model, hw, tp))
     if point.metric == "ttft_p50":
         return 1e3 * summary.ttft["p50"]

@@ -65,6 +65,7 @@ class PolicySpec:
 
 POLICY_SPECS: dict[str, PolicySpec] = {
     "vllm": PolicySpec(colocated_policy(VllmDataParallel)),
+    "prefill-first": PolicySpec(colocated_policy(VllmDataParallel, mix=False)),
     "round-robin": PolicySpec(colocated_policy(RoundRobin)),
     "least-load": PolicySpec(colocated_policy(LeastLoad)),
     "distserve": PolicySpec(distserve_policy(None, "fcfs"), disaggregated=True),

@@ -15,11 +15,14 @@ if TYPE_CHECKING:
     from flowyard.policies.registry import PolicyOptions
 
 
-def colocated_policy(router: Callable[[], GlobalScheduler]) -> Callable[[str, PolicyOptions], Policy]:
-    """MIXED instances running vLLM's chunked prefill, new requests placed by `router`."""
+def colocated_policy(router: Callable[[], GlobalScheduler], mix: bool = True) -> Callable[[str, PolicyOptions], Policy]:
+    """MIXED instances running vLLM's chunked prefill (`mix`), or vLLM V0's prefill-first
+    steps (whole prompts in a budget of 8,192 tokens, no decodes beside them), new requests
+    placed by `router`."""
 
     def build(name: str, o: PolicyOptions) -> Policy:
-        cfg = BatchConfig(max_num_batched_tokens=o.chunk_size or 2048, max_num_seqs=o.max_num_seqs)
+        cfg = BatchConfig(max_num_batched_tokens=o.chunk_size or (2048 if mix else 8192), max_num_seqs=o.max_num_seqs,
+                          chunked_prefill=mix, mix_decodes=mix)
         return Policy(name, router(), [Role.MIXED] * o.num_instances, {Role.MIXED: cfg})
 
     return build

@@ -18,7 +18,10 @@ flowyard and every baseline on MIXED or PREFILL instances.
   may be promised while prompts wait.
 
 `chunked=False` runs a prompt whole (alone if over the budget); `chunk_cap` bounds one prompt's
-tokens in one step.
+tokens in one step. `prefill_first=True` is the scheduler of vLLM V0 and SGLang before mixed
+chunks: a step that can run a prompt runs prompts only, so every prefill stalls the decodes (the
+interference chunked prefill was made to remove; published serving runs of those engines are
+replayed with it).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class ChunkedSelector(PrefillSelector):
     def __init__(self, budget: int | BudgetRule = 2048, chunked: bool = True, order: QueueOrder | str = "fcfs",
                  ttft_hat: Callable[[RequestState], float] | None = None, chunk_cap: int | None = None, *,
                  admission: Admission = Admission(), places: DecodePlaces | None = None,
-                 shedding: Shedding | None = None, together: bool = False) -> None:
+                 shedding: Shedding | None = None, together: bool = False, prefill_first: bool = False) -> None:
         self.budget: BudgetRule = FixedBudget(budget) if isinstance(budget, int) else budget
         self.chunked = chunked
         self.order = order if isinstance(order, QueueOrder) else QueueOrder(order)
@@ -56,6 +59,7 @@ class ChunkedSelector(PrefillSelector):
         self.places: DecodePlaces = places if places is not None else FirstAdmitted()
         self.shedding = shedding
         self.together = together and not self.order.static  # static orders keep vLLM's rule
+        self.prefill_first = prefill_first
         self.step: StepBudget | None = None  # the budget rule's answer for the step being planned
         self._waiting: list[tuple[tuple, int, RequestState, int]] = []  # (key, seq, state, tokens)
         self._waiting_tokens = 0
@@ -129,7 +133,21 @@ class ChunkedSelector(PrefillSelector):
 
     def decode_cap(self, now: float, decodes: list[RequestState]) -> float:
         self.step = self.budget.step(decodes, now, self.core, self.urgent)
+        if self.prefill_first and self._prompt_can_run():
+            return 0
         return self.step.decode_cap
+
+    def _prompt_can_run(self) -> bool:
+        """Whether a started prompt or the queue's head can take a chunk now (prefill-first:
+        else the decodes run, as vLLM V0 runs them when no prompt fits)."""
+        core = self.core
+        if any(r.in_prefill and r.status is Status.RUNNING for r in core.running):
+            return True
+        if not self._waiting or len(core.running) >= core.max_num_seqs:
+            return False
+        st = self._waiting[0][2]  # the head under a static order; the last ranking's otherwise
+        n = min(want(st), self.step.tokens) if self.chunked and self.step else want(st)
+        return core.kv.can_allocate(st.id, st.num_computed + n)
 
     def allows_run(self) -> bool:
         """A slack order (s-edf, d-edf) re-ranks the queue at every step, so the head that KV

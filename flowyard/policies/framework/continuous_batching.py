@@ -28,6 +28,9 @@ class BatchConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (the chunk size)
     max_num_seqs: int = 256
     chunked_prefill: bool = True  # False: a prompt runs whole (alone if over the budget)
+    # False: vLLM V0's default scheduler and SGLang's without mixed chunks: a step runs prompts
+    # or decodes, never both, and prompts go first whenever one can start (decodes stall)
+    mix_decodes: bool = True
     # queue order (`order.QueueOrder`): "fcfs", "edf" (earliest TTFT deadline first),
     # "priority" (vLLM's), or FlowPrefill's "s-edf"/"d-edf" (s-edf needs a TTFT predictor)
     order: str = "fcfs"
@@ -48,6 +51,6 @@ class BatchScheduler(LocalCore):
                  ttft_hat: Callable[[RequestState], float] | None = None) -> None:
         self.config = config
         selector = ChunkedSelector(config.max_num_batched_tokens, config.chunked_prefill, config.order,
-                                   ttft_hat=ttft_hat)
+                                   ttft_hat=ttft_hat, prefill_first=not config.mix_decodes)
         super().__init__(instance, role, kv, selector, max_num_seqs=config.max_num_seqs,
                          max_model_len=config.max_model_len, max_repeats=config.max_repeats)
