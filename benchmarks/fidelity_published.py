@@ -136,10 +136,14 @@ def report(out: Path) -> str:
         f"{sun['max_abs_error']:.1%} | {sun['within_10pct']} | {sun['within_25pct']} |",
         "",
         f"The cross-validated row covers the {scv['points']} points a fold can price without terms "
-        f"that only their own family measures. The other {sun['points']} are Vidur's: its CPU-phase "
+        f"that only their own family measures. The other {sun['points']}: "
+        f"{sum(r.point.family == 'vidur' for r in unchecked)} are Vidur's (its CPU-phase "
         "rows are the only measurements of the eager-2023 engine profile and its attention rows the "
-        "only timings of the one attention kernel it profiled (a term of that kernel, "
-        "attn_causal_extra, prices them). Held out, nothing else defines those terms; the last row "
+        "only timings of the one attention kernel it profiled; a term of that kernel, "
+        "attn_causal_extra, prices them), and "
+        f"{sum(r.point.family != 'vidur' for r in unchecked)} are the closed-loop run whose published "
+        "output tokens/s fits its benchmark client's per-token time (sim/client_cpu.py). Held out, "
+        "nothing else defines those terms; the last row "
         "prices them anyway with the fold's fallbacks (the default profile, the prior kernel term) "
         "so the cost of that gap is on the page, not hidden. They enter the in-sample row.",
         "",

@@ -63,6 +63,9 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "turn) when its previous one ends; trace arrival times are ignored")
     g.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="closed loop: a client waits S s after each response (needs --concurrency)")
+    g.add_argument("--client-token-ms", type=float, default=0.0, metavar="MS",
+                   help="closed loop: the clients read their streams on one processor that spends "
+                        "MS ms per token, as a threaded Python benchmark does (needs --concurrency)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--calibration", default="published", choices=("vidur", "published"),
                    help="roofline factors: 'published' (default, fitted on published GPU "
@@ -91,7 +94,8 @@ def _config(args: argparse.Namespace, policy: str):
         chunk_size=args.chunk_size, max_num_seqs=args.max_num_seqs,
         prefix_caching=args.enable_prefix_caching, profile=args.profile,
         snapshot_staleness=args.snapshot_staleness, predictor_error=args.predictor_error,
-        concurrency=args.concurrency, think_time=args.think_time, calibration=args.calibration,
+        concurrency=args.concurrency, think_time=args.think_time,
+        client_chunk_s=args.client_token_ms / 1e3, calibration=args.calibration,
         mix=args.mix, tile=args.tile, engine_profile=args.engine_profile,
     )
 
@@ -177,7 +181,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"wrote the timeline to {args.timeline} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     print(format_table(summary), file=out)
     if cfg.concurrency is not None:
-        print(f"closed loop: {cfg.concurrency} clients, think time {cfg.think_time:g} s "
+        print(f"closed loop: {cfg.concurrency} clients, think time {cfg.think_time:g} s, "
+              f"client {1e3 * cfg.client_chunk_s:g} ms per token "
               f"(arrivals are send times; rates over {summary.duration_s:,.1f} s)", file=out)
     print(f"events: {result.events:,}  steps: {result.steps:,}  simulated time: {result.sim_time:,.1f} s  "
           f"events/s: {result.events / max(result.wall_s, 1e-9):,.0f}", file=out)

@@ -18,3 +18,4 @@ class EventKind(enum.IntEnum):
     PREEMPT_ACK = 3  # a running prefill stopped at an operator boundary (FlowPrefill)
     TIMER = 4  # a periodic controller tick or a batching window closes
     SCHEDULE = 5  # an idle instance picks its next step, after every other event of this instant
+    CLIENT = 6  # a simulated benchmark client finishes reading a token (`sim.client_cpu`)

@@ -145,7 +145,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(format_table(cv, ins, args.calibration))
     if unchecked:
         s = summary(unchecked)
-        print(f"not cross-validatable (only their own family measures their terms): {s['points']} "
+        print(f"not cross-validatable (only their own family or run measures their terms): {s['points']} "
               f"points, in-sample only above; held out and priced with the fold's fallbacks: median "
               f"{s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%}")
     if args.json:

@@ -185,7 +185,11 @@ def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, wo
 def checkable(point: Point, fold: Fit) -> bool:
     """Whether `fold` can price `point` without terms only the point's own family measures:
     the host terms of its engine profile (for kinds that have them) and the terms of the one
-    kernel it timed."""
+    kernel it timed; and a closed-loop run that fitted its benchmark client (`replay.client_chunk_s`)
+    checks nothing about that client."""
+    client = point.workload.get("client")
+    if client and point.workload.get("concurrency") == client["concurrency"]:
+        return False
     if point.kind in HOST_KINDS and not fold.fitted_on.get(point.engine):
         return False
     return not point.kernel or bool(fold.fitted_on.get(f"kernel:{point.kernel}"))

@@ -19,12 +19,16 @@ import gzip
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from flowyard.costmodel.hardware import HardwareSpec
 from flowyard.costmodel.published import Point
 from flowyard.costmodel.roofline import RooflineCostModel
+
+if TYPE_CHECKING:
+    from flowyard.sim.run import SimConfig
 
 
 # vllm-project/vllm pull request #18566 (description, 2025-05-22): `vllm bench serve`, 1000
@@ -57,18 +61,26 @@ def replay(point: Point, cm: RooflineCostModel) -> float:
     return _replay(point, cm.hardware, cm.tp)
 
 
-@lru_cache(maxsize=256)
-def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
-    from flowyard.sim.run import SimConfig, simulate
+def _config(point: Point, tp: int, **over: Any) -> SimConfig:
+    from flowyard.sim.run import SimConfig
 
     w = point.workload
     model = point.model if isinstance(point.model, str) else point.model.name
     trace = sharegpt_first_turn() if w["trace"] == "sharegpt" else str(w["trace"])
-    cfg = SimConfig(trace=trace, model=model, hardware=point.hardware, tp=tp,
-                    rate=w.get("rate"), num_requests=int(w["num_requests"]),
-                    concurrency=w.get("concurrency"), seed=int(w.get("seed", 0)),
-                    policy=str(w.get("scheduler", "vllm")))
-    summary, _ = simulate(cfg, cost_model=RooflineCostModel(point.model, hw, tp))
+    kw: dict[str, Any] = dict(trace=trace, model=model, hardware=point.hardware, tp=tp, rate=w.get("rate"),
+                              num_requests=int(w["num_requests"]), concurrency=w.get("concurrency"),
+                              seed=int(w.get("seed", 0)), policy=str(w.get("scheduler", "vllm")))
+    return SimConfig(**(kw | over))
+
+
+@lru_cache(maxsize=256)
+def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
+    from flowyard.sim.run import simulate
+
+    client = point.workload.get("client")
+    chunk = client_chunk_s(point, hw, tp) if client else 0.0
+    summary, _ = simulate(_config(point, tp, client_chunk_s=chunk),
+                          cost_model=RooflineCostModel(point.model, hw, tp))
     if point.metric == "ttft_p50":
         return 1e3 * summary.ttft["p50"]
     if point.metric == "tpot_p50":
@@ -76,3 +88,37 @@ def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
     if point.metric == "throughput_rps":
         return summary.throughput_rps
     raise ValueError(f"unknown serving metric {point.metric!r}")
+
+
+def client_chunk_s(point: Point, hw: HardwareSpec, tp: int) -> float:
+    """The benchmark client's processor time per streamed token (`sim.client_cpu`), fitted so
+    the simulated run named by `workload.client` (the series' most loaded closed-loop run, where
+    the client caps the output) serves the output tokens/s its source published, on this cost
+    model: the client is priced from its own run's throughput, never from a TTFT or TPOT."""
+    c = point.workload["client"]
+    return _client_fit(point.model, point.hardware, str(point.workload["trace"]), int(c["concurrency"]),
+                       int(c["num_requests"]), float(c["output_tok_s"]), hw, tp)
+
+
+@lru_cache(maxsize=32)
+def _client_fit(model: Any, hardware: str, trace: str, concurrency: int, num_requests: int,
+                target: float, hw: HardwareSpec, tp: int) -> float:
+    from flowyard.costmodel.published import Point
+    from flowyard.sim.run import simulate
+
+    run = Point("client fit", "serving", model, hardware, tp, target, "tok/s", "",
+                workload={"trace": trace, "concurrency": concurrency, "num_requests": num_requests})
+    cm = RooflineCostModel(model, hw, tp)
+
+    def tok_s(chunk: float) -> float:
+        return simulate(_config(run, tp, client_chunk_s=chunk), cost_model=cm)[0].output_tokens_per_s
+
+    # The processor reads at most 1/chunk tokens/s, so the chunk lies below 1/target; a
+    # quarter of that leaves the server as the cap if anything does.
+    lo, hi = np.log(0.25 / target), np.log(1.0 / target)
+    if tok_s(float(np.exp(lo))) <= target:
+        return float(np.exp(lo))  # the server alone is no faster than the published run
+    for _ in range(9):  # output tokens/s falls as the chunk time grows; to 0.3 %
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tok_s(float(np.exp(mid))) > target else (lo, mid)
+    return float(np.exp((lo + hi) / 2))

@@ -26,7 +26,7 @@ from flowyard.sim.kv_push import KVPush
 # landings, timers, then SCHEDULE: an idle instance plans once every other event of the
 # instant has been applied).
 ARRIVAL, STEP, KV_DONE = int(EventKind.ARRIVAL), int(EventKind.STEP_DONE), int(EventKind.KV_DONE)
-SCHEDULE, TIMER = int(EventKind.SCHEDULE), int(EventKind.TIMER)
+SCHEDULE, TIMER, CLIENT = int(EventKind.SCHEDULE), int(EventKind.TIMER), int(EventKind.CLIENT)
 INF = float("inf")
 
 

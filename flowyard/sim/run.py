@@ -20,6 +20,7 @@ from flowyard.costmodel.base import CostModel, with_error
 from flowyard.policies.framework.policy import Policy
 from flowyard.policies.registry import PolicyOptions, build_policy
 from flowyard.sim.arrivals import ClosedLoop
+from flowyard.sim.client_cpu import SharedClient
 from flowyard.sim.cluster import Topology
 from flowyard.sim.simulator import SimResult, Simulator
 from flowyard.workloads import Workload, clip, load_trace, scale_rate, slo_by_length, with_slo
@@ -71,6 +72,9 @@ class SimConfig:
     # think_time seconds after its previous one ends; trace arrival times are then ignored.
     concurrency: int | None = None
     think_time: float = 0.0
+    # The closed-loop clients read their streams on one processor that spends this long on
+    # each token (`sim.client_cpu.SharedClient`: a threaded Python benchmark); 0: free clients.
+    client_chunk_s: float = 0.0
     calibration: str = DEFAULT_CALIBRATION  # roofline factor set (costmodel.CALIBRATIONS); `flowyard validate`
     # Large workloads (`flowyard.workloads.scale`): other traces superposed on this one
     # ("NAME[:SCALE],..."), then the result repeated `tile` times back to back.
@@ -97,6 +101,10 @@ class SimConfig:
             raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
         if not (self.think_time >= 0 and math.isfinite(self.think_time)):
             raise ValueError(f"--think-time must be a finite number >= 0, got {self.think_time}")
+        if not (self.client_chunk_s >= 0 and math.isfinite(self.client_chunk_s)):
+            raise ValueError(f"--client-token-ms must be a finite number >= 0, got {1e3 * self.client_chunk_s:g}")
+        if self.concurrency is None and self.client_chunk_s:
+            raise ValueError("--client-token-ms needs --concurrency (closed-loop clients)")
         if self.concurrency is None and self.think_time:
             raise ValueError("--think-time needs --concurrency (closed-loop clients)")
         if self.concurrency is not None and self.rate_scale != 1.0:
@@ -190,8 +198,10 @@ def build_simulator(
     cost = cost_model or build_cost_model(cfg)
     if policy is None:
         policy = build_policy(cfg.policy, policy_options(cfg, cost))
-    arrivals = (ClosedLoop(w.requests, cfg.concurrency, cfg.think_time)
-                if cfg.concurrency is not None else None)  # None: open-loop trace replay
+    arrivals: ClosedLoop | None = None  # None: open-loop trace replay
+    if cfg.concurrency is not None:
+        arrivals = (SharedClient(w.requests, cfg.concurrency, cfg.client_chunk_s, cfg.think_time)
+                    if cfg.client_chunk_s else ClosedLoop(w.requests, cfg.concurrency, cfg.think_time))
     return Simulator(
         w.requests, policy, cost, build_topology(cfg),
         block_size=cfg.block_size, progress=progress, on_step=on_step,

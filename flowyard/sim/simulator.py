@@ -23,7 +23,7 @@ import heapq
 import itertools
 import time
 from dataclasses import replace
-from typing import Callable, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.cluster.index import Touched
@@ -37,12 +37,15 @@ from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role, StepResult
 from flowyard.policies.framework.policy import Policy
 from flowyard.sim.arrivals import ArrivalSource, Due, OpenLoop
-from flowyard.sim.base import ARRIVAL, INF, SCHEDULE, STEP, TIMER, SimulationError
+from flowyard.sim.base import ARRIVAL, CLIENT, INF, SCHEDULE, STEP, TIMER, SimulationError
 from flowyard.sim.cluster import Topology
 from flowyard.sim.instance import SimInstance, SimResult
 from flowyard.sim.kv_push import KVPush
 from flowyard.sim.steps import StepExecution
 from flowyard.sim.transport import SimTransport
+
+if TYPE_CHECKING:
+    from flowyard.sim.client_cpu import SharedClient
 
 __all__ = ["SimResult", "SimulationError", "Simulator"]
 
@@ -72,6 +75,10 @@ class Simulator(SimTransport, StepExecution):
     ) -> None:
         self.requests = list(requests)
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
+        # A source that reads the tokens as they stream (`client_cpu.SharedClient`) hears of
+        # every step and wakes when it asks to: steps run one at a time so it hears of each.
+        self._reads = bool(getattr(self.arrivals, "reads_tokens", False))
+        self._client_wake = INF
         self.policy = policy
         self.cost = cost_model
         # A request reaches the scheduler this long after its client sent it (its arrival):
@@ -94,7 +101,8 @@ class Simulator(SimTransport, StepExecution):
         # as `LocalCluster` does on a CPU): a step waits for the device and runs one at a time.
         self.shared_device = shared_device
         self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
-        self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size), single_step=shared_device))
+        self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size),
+                                                        single_step=shared_device or self._reads))
                           for i in range(len(policy.roles))]
         # who steps next on each device, and when idle instances wake (`flowyard.cluster.turns`):
         # one queue for a shared device, else one per instance; a new place in a queue is a
@@ -154,6 +162,9 @@ class Simulator(SimTransport, StepExecution):
                 self._arrive(payload)  # type: ignore[arg-type]
             elif kind == TIMER:
                 self._timer(payload, len(states))  # type: ignore[arg-type]
+            elif kind == CLIENT:
+                self._client_wake = INF
+                self._send(cast("SharedClient", self.arrivals).on_wake(t))
             else:
                 self._kv_landed(*payload)  # type: ignore[misc]
             if self.progress is not None and events % 4096 == 0:
@@ -173,6 +184,11 @@ class Simulator(SimTransport, StepExecution):
             if st.req.arrival != t:  # sent by a closed-loop client: arrival = send time
                 st.req = replace(st.req, arrival=t)
             self._push(t + self.frontend, ARRIVAL, st)
+        if self._reads:
+            wake = cast("SharedClient", self.arrivals).wake_at()
+            if wake is not None and wake < self._client_wake:
+                self._client_wake = wake
+                self._push(wake, CLIENT, None)
 
     def _ended(self, st: RequestState, reject: str | None = None) -> None:
         """st finished, or is rejected for `reject`: count it; the arrival source may send more."""
@@ -211,6 +227,8 @@ class Simulator(SimTransport, StepExecution):
         inst.settle(self.now)
         self.kv_push.computed(inst.id, ends)
         self.end_turn(inst.id, True, None, self.now, (result,))
+        if self._reads:
+            self._send(cast("SharedClient", self.arrivals).on_tokens(self.now))
 
     # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
     def _turns_of(self, i: int) -> Turns:
