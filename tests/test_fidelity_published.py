@@ -48,8 +48,8 @@ def test_at_least_80_points_from_6_families_with_exact_provenance():
 
 def test_derivations_are_computed_from_the_published_numbers():
     by = {p.name: p for p in published_points()}
-    tbt = by["dynaserve T1 coloc decode P2048 D512"]
-    assert tbt.decodes == ((round(2.83 / 2 * 512 * 46.86 / 1e3), 2048 + 256),)
+    tbt = by["dynaserve T1 disagg decode P2048 D512"]
+    assert tbt.decodes == ((round(2.56 * 512 * 47.0 / 1e3), 2048 + 256),)
     mixed = by["dynaserve T1 coloc mixed P8192 D32"]
     (count, _), = mixed.decodes
     assert mixed.prefills == ((3072, 2048 - count),) and mixed.group == "mixed"
@@ -228,3 +228,26 @@ def test_reproduce_runs_its_experiment_under_the_profile_and_restores_the_defaul
     assert main(["reproduce", "dynaserve", "--quick", "--quiet", "--engine-profile", "vllm-v0"]) == 0
     assert seen["profile"] == "vllm-v0" and "--engine-profile vllm-v0" in seen["command"]
     assert get_engine_profile().name == DEFAULT_ENGINE_PROFILE  # the process default is back
+
+
+def test_a_fixed_shape_run_is_replayed_on_its_cluster():
+    """DynaServe's Table 1 colocated runs: every request one shape, Poisson arrivals at the
+    published throughput, two replicas behind a round-robin router, 2048-token chunks."""
+    d = {"name": "shape run", "family": "f", "engine": "vllm-v0", "kind": "serving", "metric": "tbt_p50",
+         "model": "qwen2.5-14b", "hardware": "a100-80g", "tp": 1, "measured": 40.0, "unit": "ms", "source": "s",
+         "workload": {"shape": [1024, 64], "rate": 3.0, "num_requests": 80, "instances": 2,
+                      "scheduler": "round-robin", "chunk": 512}}
+    p = point_from_dict(d)
+    cm = RooflineCostModel(p.model, calibrated(get_hardware(p.hardware)), 1)
+    from flowyard.costmodel.replay import _config
+    from flowyard.sim.run import simulate
+
+    cfg = _config(p, 1)
+    assert (cfg.instances, cfg.policy, cfg.chunk_size, cfg.rate) == (2, "round-robin", 512, 3.0)
+    summary, _ = simulate(cfg, cost_model=cm)
+    assert summary.requests == 80 and summary.input_tokens == 80 * 1024
+    assert replay(p, cm) == pytest.approx(1e3 * summary.tbt["p50"]) and replay(p, cm) > 0
+    with pytest.raises(ValueError, match="a trace or a shape"):
+        point_from_dict({**d, "workload": {**d["workload"], "trace": "sharegpt"}})
+    with pytest.raises(ValueError, match="workload shape must be"):
+        point_from_dict({**d, "workload": {**d["workload"], "shape": [1024, 0]}})

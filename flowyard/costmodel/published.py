@@ -15,9 +15,13 @@ Kinds (what `flowyard.costmodel.fit.predict` compares against):
   ridge         prefill tokens where a lone prefill turns compute-bound (a range [lo, hi])
   generation    end-to-end latency (ms) of a batch that prefills together and decodes in lockstep
   serving       a serving run replayed in the simulator (`metric`: ttft_p50, tpot_p50 in ms,
-                throughput_rps); `workload.scheduler` names the policy the measured engine
-                ran: "vllm" (chunked prefill beside decodes, the default) or "prefill-first"
-                (vLLM V0 without chunked prefill, SGLang without mixed chunks)
+                tbt_p50 over every gap between tokens, throughput_rps); `workload.scheduler`
+                names the policy the measured engine ran: "vllm" (chunked prefill beside
+                decodes, the default), "round-robin" (the same behind a round-robin router) or
+                "prefill-first" (vLLM V0 without chunked prefill, SGLang without mixed
+                chunks); `trace` (with `rate` or `concurrency`) or `shape` ([prompt, output]
+                for every request, Poisson arrivals at `rate`); `instances` and `chunk` (the
+                token budget) when the run was not one instance with the policy's default
 A point with `hi` set is a range: the error is 0 inside it, else the distance to the nearest end.
 
 Derived points keep their derivation as data and the loader computes it: `parts` (a sum of
@@ -38,8 +42,8 @@ from flowyard.costmodel.models import ModelSpec
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "published_points.json"
 KINDS = ("step", "attn_prefill", "attn_decode", "cpu_overhead", "ridge", "generation", "serving")
-METRICS = ("ttft_p50", "tpot_p50", "throughput_rps")
-SCHEDULERS = ("vllm", "prefill-first")
+METRICS = ("ttft_p50", "tpot_p50", "tbt_p50", "throughput_rps")
+SCHEDULERS = ("vllm", "prefill-first", "round-robin")
 
 # Models the sources measured that are not in our catalog (shapes from their config.json).
 LLAMA2_7B = ModelSpec("llama-2-7b", hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128,
@@ -119,8 +123,13 @@ def point_from_dict(d: dict[str, Any]) -> Point:
             raise ValueError(f"unknown kind {kind!r}")
         if kind == "serving" and d.get("metric") not in METRICS:
             raise ValueError(f"serving point needs a metric in {METRICS}")
-        if d.get("workload", {}).get("scheduler", "vllm") not in SCHEDULERS:
+        w = d.get("workload", {})
+        if w.get("scheduler", "vllm") not in SCHEDULERS:
             raise ValueError(f"workload scheduler must be one of {SCHEDULERS}")
+        if kind == "serving" and ("trace" in w) == ("shape" in w):
+            raise ValueError("a serving point's workload needs a trace or a shape, not both")
+        if "shape" in w and not (len(w["shape"]) == 2 and all(int(x) >= 1 for x in w["shape"])):
+            raise ValueError("workload shape must be [prompt tokens, output tokens], both >= 1")
         measured = float(sum(d["parts"])) if "parts" in d else float(d["measured"])
         prefills = _pairs("prefills", d.get("prefills", ()))
         decodes = _pairs("decodes", d.get("decodes", ()))

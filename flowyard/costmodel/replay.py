@@ -66,11 +66,24 @@ def _config(point: Point, tp: int, **over: Any) -> SimConfig:
 
     w = point.workload
     model = point.model if isinstance(point.model, str) else point.model.name
-    trace = sharegpt_first_turn() if w["trace"] == "sharegpt" else str(w["trace"])
+    if "shape" in w:
+        trace = fixed_shape(*map(int, w["shape"]))
+    else:
+        trace = sharegpt_first_turn() if w["trace"] == "sharegpt" else str(w["trace"])
     kw: dict[str, Any] = dict(trace=trace, model=model, hardware=point.hardware, tp=tp, rate=w.get("rate"),
                               num_requests=int(w["num_requests"]), concurrency=w.get("concurrency"),
-                              seed=int(w.get("seed", 0)), policy=str(w.get("scheduler", "vllm")))
+                              seed=int(w.get("seed", 0)), policy=str(w.get("scheduler", "vllm")),
+                              instances=int(w.get("instances", 1)), chunk_size=w.get("chunk"))
     return SimConfig(**(kw | over))
+
+
+@lru_cache(maxsize=16)
+def fixed_shape(prompt: int, output: int, rows: int = 20_000) -> str:
+    """Path of a length-only trace whose every request has this shape (Poisson arrivals are
+    drawn when it is loaded at a rate)."""
+    path = Path(tempfile.gettempdir()) / f"flowyard_shape_{prompt}_{output}.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n" + f"{prompt},{output}\n" * rows)
+    return str(path)
 
 
 @lru_cache(maxsize=256)
@@ -85,6 +98,8 @@ def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
         return 1e3 * summary.ttft["p50"]
     if point.metric == "tpot_p50":
         return 1e3 * summary.tpot["p50"]
+    if point.metric == "tbt_p50":
+        return 1e3 * summary.tbt["p50"]
     if point.metric == "throughput_rps":
         return summary.throughput_rps
     raise ValueError(f"unknown serving metric {point.metric!r}")
