@@ -251,3 +251,15 @@ def test_a_fixed_shape_run_is_replayed_on_its_cluster():
         point_from_dict({**d, "workload": {**d["workload"], "trace": "sharegpt"}})
     with pytest.raises(ValueError, match="workload shape must be"):
         point_from_dict({**d, "workload": {**d["workload"], "shape": [1024, 0]}})
+
+
+def test_a_family_that_fits_only_the_frontend_is_held_out_of_its_own_fold():
+    """Bug: a family with no step points (SGLang's serving runs) was priced with the all-points
+    fit, whose frontend latency its own lone-request TTFTs had fitted."""
+    pts = _small()
+    sg = next(p for p in published_points() if p.family == "sglang-bench" and p.metric == "ttft_p50"
+              and p.workload["rate"] == 4 and p.hardware == "a100-80g")
+    sg = replace(sg, workload={**sg.workload, "num_requests": 30}, name=sg.name + " (30)")
+    rows, folds, _ = cross_validate(pts + [sg], iters=5, restarts=1)
+    assert "sglang-bench" not in folds["sglang-bench"].fitted_on.get("frontend:vllm-v1", ())
+    assert "sglang-bench" in folds["dynaserve"].fitted_on.get("frontend:vllm-v1", ())

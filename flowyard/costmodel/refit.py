@@ -164,7 +164,10 @@ def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, wo
     family with no fittable point leaves the fit unchanged: it reuses the all-points fit."""
     fams = list(dict.fromkeys(p.family for p in points))
     train = {f: [p for p in points if p.family != f] for f in fams}
-    todo = [f for f in fams if any(p.family == f for p in fittable(points))]
+    # a family takes part in a fit through its fittable points or its lone-request TTFTs (the
+    # frontend term): either way it needs a fold of its own
+    used = {p.family for p in fittable(points)} | {p.family for p in lone_request_ttfts(points)}
+    todo = [f for f in fams if f in used]
     jobs = todo + ["*all*"] if len(todo) < len(fams) else todo
     sets = [train[f] if f != "*all*" else points for f in jobs]
     if workers > 1:
