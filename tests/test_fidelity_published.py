@@ -247,8 +247,13 @@ def test_a_fixed_shape_run_is_replayed_on_its_cluster():
     summary, _ = simulate(cfg, cost_model=cm)
     assert summary.requests == 80 and summary.input_tokens == 80 * 1024
     assert replay(p, cm) == pytest.approx(1e3 * summary.tbt["p50"]) and replay(p, cm) > 0
-    with pytest.raises(ValueError, match="a trace or a shape"):
+    with pytest.raises(ValueError, match="one of a trace, a shape or lengths"):
         point_from_dict({**d, "workload": {**d["workload"], "trace": "sharegpt"}})
+    with pytest.raises(ValueError, match="workload lengths must be"):
+        point_from_dict({**d, "workload": {"lengths": [[5, 0]], "rate": 1.0, "num_requests": 1}})
+    exact = point_from_dict({**d, "workload": {"lengths": [[300, 20], [7, 90]], "rate": 1e6, "num_requests": 2}})
+    s2, _ = simulate(_config(exact, 1), cost_model=cm)
+    assert (s2.requests, s2.input_tokens, s2.output_tokens) == (2, 307, 110)
     with pytest.raises(ValueError, match="workload shape must be"):
         point_from_dict({**d, "workload": {**d["workload"], "shape": [1024, 0]}})
 
@@ -263,3 +268,20 @@ def test_a_family_that_fits_only_the_frontend_is_held_out_of_its_own_fold():
     rows, folds, _ = cross_validate(pts + [sg], iters=5, restarts=1)
     assert "sglang-bench" not in folds["sglang-bench"].fitted_on.get("frontend:vllm-v1", ())
     assert "sglang-bench" in folds["dynaserve"].fitted_on.get("frontend:vllm-v1", ())
+
+
+def test_a_profile_fits_its_all_reduce_latency_only_on_its_own_tensor_parallel_runs():
+    """vLLM V0's stacks (CUDA graphs, custom all-reduce) ran TP 4 in the points: their fitted
+    all-reduce latency undercuts the NCCL latency Vidur's eager profiles measured; a profile
+    without tensor-parallel step points keeps the GPU's."""
+    from flowyard.costmodel.hardware import H100_PARAMS
+
+    fit = current_fit()
+    pts = fittable(published_points())
+    for e, terms in fit.engines.items():
+        has_tp = any(p.tp > 1 for p in pts if p.engine == e and p.kind in ("step", "generation"))
+        assert ("ar_latency_s" in terms) == (has_tp and bool(fit.fitted_on.get(e))), e
+    ar = fit.engines["vllm-v0"]["ar_latency_s"]
+    assert 0 < ar < H100_PARAMS.ar_latency_s
+    assert calibrated(get_hardware("h100"), engine="vllm-v0").params.ar_latency_s == pytest.approx(ar)
+    assert calibrated(get_hardware("h100"), engine="vllm-v1").params.ar_latency_s == H100_PARAMS.ar_latency_s

@@ -7,7 +7,9 @@ sequence; an engine that replays CUDA graphs and prepares step n+1 while step n 
 V1 engine with async scheduling, SGLang's overlap scheduler) hides most of it. A profile names
 one such stack and carries its host terms (RooflineParams.step_overhead_s, seq_overhead_s,
 seq_overhead_layer_s, and frontend_s: the latency of the stack's HTTP frontend, which a client's
-TTFT includes and a step does not), each fitted by `python -m flowyard.costmodel.fit --write` on the
+TTFT includes and a step does not; and, where its stacks' tensor-parallel runs say so,
+ar_latency_s: CUDA-graph engines with their own one-shot all-reduce pay a fraction of the NCCL
+latency an eager profile measures), each fitted by `python -m flowyard.costmodel.fit --write` on the
 published points of its own source family (`fitted_on`) and stored in
 flowyard/data/calibration.json with the fit's revision. A profile with no step-level points
 of its own has none: it is not offered.
@@ -52,10 +54,14 @@ class EngineProfile:
     seq_overhead_layer_s: float
     fitted_on: tuple[str, ...]
     frontend_s: float = 0.0
+    ar_latency_s: float | None = None  # set when its stacks' tensor-parallel runs fitted it
 
     def terms(self) -> dict[str, float]:
         """The RooflineParams fields this profile sets."""
-        return {k: getattr(self, k) for k in HOST_TERMS}
+        out = {k: getattr(self, k) for k in HOST_TERMS}
+        if self.ar_latency_s is not None:
+            out["ar_latency_s"] = self.ar_latency_s
+        return out
 
 
 @lru_cache(maxsize=1)
@@ -70,7 +76,8 @@ def engine_profiles() -> dict[str, EngineProfile]:
     for name, d in calibration_data()["engines"].items():
         out[name] = EngineProfile(name, DESCRIPTIONS.get(name, ""), float(d["step_overhead_s"]),
                                   float(d["seq_overhead_s"]), float(d["seq_overhead_layer_s"]),
-                                  tuple(d.get("fitted_on", ())), float(d.get("frontend_s", 0.0)))
+                                  tuple(d.get("fitted_on", ())), float(d.get("frontend_s", 0.0)),
+                                  float(d["ar_latency_s"]) if "ar_latency_s" in d else None)
     return out
 
 

@@ -37,12 +37,18 @@ KERNEL_ONLY = {"attn_causal_extra": "vidur-profile"}  # term -> the measured ker
 ENGINE_KEYS = {"eager-2023": ("step_overhead_s", "seq_overhead_s"),
                "vllm-v0": ("step_overhead_s", "seq_overhead_s"),
                "vllm-v1": ("step_overhead_s", "seq_overhead_s")}
+# Fitted for a profile only when its own points include tensor-parallel runs (else the GPU's
+# calibrated NCCL latency stays): an engine that replays CUDA graphs and has its own one-shot
+# all-reduce for small tensors (vLLM's custom all-reduce) pays a fraction of the NCCL latency
+# Vidur's eager profiles measured, and a decode step at TP 8 makes 2 per layer.
+TP_KEYS = ("ar_latency_s",)
 # Where every fit starts: the 'vidur' calibration's assumed values (no published point in
 # them); log-space needs a positive start for the terms 'vidur' sets to 0.
 PRIOR = {"eff_attn": A100_PARAMS.eff_attn, "attn_tile": A100_PARAMS.attn_tile,
          "eff_attn_mem": A100_PARAMS.eff_attn_mem, "attn_fixed_s": 1e-6,
          "attn_causal_extra": 0.1, "step_overhead_s": A100_PARAMS.step_overhead_s,
-         "seq_overhead_s": A100_PARAMS.seq_overhead_s, "seq_overhead_layer_s": 1e-7}
+         "seq_overhead_s": A100_PARAMS.seq_overhead_s, "seq_overhead_layer_s": 1e-7,
+         "ar_latency_s": H100_PARAMS.ar_latency_s}
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,8 @@ class Fit:
 def current_fit() -> Fit:
     """The fit stored in flowyard/data/calibration.json (the 'published' calibration)."""
     d = calibration_data()
-    engines = {e: {k: float(v.get(k, 0.0)) for k in HOST_TERMS} for e, v in d["engines"].items()}
+    engines = {e: {k: float(v.get(k, 0.0)) for k in HOST_TERMS} | {k: float(v[k]) for k in TP_KEYS if k in v}
+               for e, v in d["engines"].items()}
     on = {e: tuple(v.get("fitted_on", ())) for e, v in d["engines"].items()}
     on |= {f"frontend:{e}": tuple(v["frontend_fitted_on"]) for e, v in d["engines"].items()
            if v.get("frontend_fitted_on")}

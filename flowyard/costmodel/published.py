@@ -19,8 +19,9 @@ Kinds (what `flowyard.costmodel.fit.predict` compares against):
                 names the policy the measured engine ran: "vllm" (chunked prefill beside
                 decodes, the default), "round-robin" (the same behind a round-robin router) or
                 "prefill-first" (vLLM V0 without chunked prefill, SGLang without mixed
-                chunks); `trace` (with `rate` or `concurrency`) or `shape` ([prompt, output]
-                for every request, Poisson arrivals at `rate`); `instances` and `chunk` (the
+                chunks); `trace` (with `rate` or `concurrency`), `shape` ([prompt, output]
+                for every request) or `lengths` (the run's own [prompt, output] pairs, in
+                order), the last two with Poisson arrivals at `rate`; `instances` and `chunk` (the
                 token budget) when the run was not one instance with the policy's default
 A point with `hi` set is a range: the error is 0 inside it, else the distance to the nearest end.
 
@@ -126,8 +127,11 @@ def point_from_dict(d: dict[str, Any]) -> Point:
         w = d.get("workload", {})
         if w.get("scheduler", "vllm") not in SCHEDULERS:
             raise ValueError(f"workload scheduler must be one of {SCHEDULERS}")
-        if kind == "serving" and ("trace" in w) == ("shape" in w):
-            raise ValueError("a serving point's workload needs a trace or a shape, not both")
+        if kind == "serving" and sum(k in w for k in ("trace", "shape", "lengths")) != 1:
+            raise ValueError("a serving point's workload needs one of a trace, a shape or lengths")
+        if "lengths" in w and not (w["lengths"] and all(len(r) == 2 and min(map(int, r)) >= 1
+                                                        for r in w["lengths"])):
+            raise ValueError("workload lengths must be [prompt tokens, output tokens] pairs, both >= 1")
         if "shape" in w and not (len(w["shape"]) == 2 and all(int(x) >= 1 for x in w["shape"])):
             raise ValueError("workload shape must be [prompt tokens, output tokens], both >= 1")
         measured = float(sum(d["parts"])) if "parts" in d else float(d["measured"])

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from flowyard.costmodel.calibrate import nelder_mead
-from flowyard.costmodel.fit import (ENGINE_KEYS, HOST_KINDS, KERNEL_KEYS, KERNEL_ONLY, PRIOR, Fit,
+from flowyard.costmodel.fit import (ENGINE_KEYS, HOST_KINDS, KERNEL_KEYS, KERNEL_ONLY, PRIOR, TP_KEYS, Fit,
                                     Row, fittable, predict, predict_fit)
 from flowyard.costmodel.published import Point
 
@@ -59,6 +59,8 @@ def fit_points(points: list[Point], iters: int = 1500, restarts: int = 1) -> Fit
     for e, fams in engines.items():
         if fams:
             keys += [(e, k) for k in ENGINE_KEYS[e]]
+            if any(p.tp > 1 for p in pts if p.engine == e and p.kind in ("step", "generation")):  # AR priced
+                keys += [(e, k) for k in TP_KEYS]
     x = x0 = np.log([PRIOR[k] for _, k in keys])
 
     def build(xv: np.ndarray) -> Fit:
@@ -188,11 +190,13 @@ def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, wo
 def checkable(point: Point, fold: Fit) -> bool:
     """Whether `fold` can price `point` without terms only the point's own family measures:
     the host terms of its engine profile (for kinds that have them) and the terms of the one
-    kernel it timed; and a closed-loop run that fitted its benchmark client (`replay.client_chunk_s`)
-    checks nothing about that client."""
+    kernel it timed, and for a TTFT its stack's frontend latency; and a closed-loop run that
+    fitted its benchmark client (`replay.client_chunk_s`) checks nothing about that client."""
     client = point.workload.get("client")
     if client and point.workload.get("concurrency") == client["concurrency"]:
         return False
+    if point.metric == "ttft_p50" and not fold.fitted_on.get(f"frontend:{point.engine}"):
+        return False  # no other family's lone-request TTFT fits its stack's frontend latency
     if point.kind in HOST_KINDS and not fold.fitted_on.get(point.engine):
         return False
     return not point.kernel or bool(fold.fitted_on.get(f"kernel:{point.kernel}"))

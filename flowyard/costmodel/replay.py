@@ -68,6 +68,8 @@ def _config(point: Point, tp: int, **over: Any) -> SimConfig:
     model = point.model if isinstance(point.model, str) else point.model.name
     if "shape" in w:
         trace = fixed_shape(*map(int, w["shape"]))
+    elif "lengths" in w:
+        trace = length_trace(tuple((int(a), int(b)) for a, b in w["lengths"]))
     else:
         trace = sharegpt_first_turn() if w["trace"] == "sharegpt" else str(w["trace"])
     kw: dict[str, Any] = dict(trace=trace, model=model, hardware=point.hardware, tp=tp, rate=w.get("rate"),
@@ -75,6 +77,17 @@ def _config(point: Point, tp: int, **over: Any) -> SimConfig:
                               seed=int(w.get("seed", 0)), policy=str(w.get("scheduler", "vllm")),
                               instances=int(w.get("instances", 1)), chunk_size=w.get("chunk"))
     return SimConfig(**(kw | over))
+
+
+@lru_cache(maxsize=64)
+def length_trace(rows: tuple[tuple[int, int], ...]) -> str:
+    """Path of a length-only trace of exactly these (prompt, output) requests, in order."""
+    import hashlib
+
+    key = hashlib.sha1(repr(rows).encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"flowyard_lengths_{key}.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    return str(path)
 
 
 @lru_cache(maxsize=16)
