@@ -210,7 +210,30 @@ def fit_serving_run(workload: "RealWorkload", executor: str, profile: Path, out:
     srv = Server(policy, executor, profile, model, work / f"fit-serving-{executor}-{policy}.log")
     rp = timeline_point(srv, tl, workload, workload.fixed_rate, slos)
     terms = fit_serving_files(profile, tl, out, client_ttft_p50=rp["ttft_p50"])
-    return {**terms.to_dict(), "workload": workload.name, "policy": policy, "rate": workload.fixed_rate}
+    # the time a source spends giving up each moved request's KV: a run of a policy that moves
+    # every request (DistServe's prefill to decode hand-off) at the same rate, with a timeline
+    xtl = export_timeline(work, executor)
+    timeline_point(Server(EXPORT_POLICY, executor, profile, model, work / f"fit-export-{executor}.log"),
+                   xtl, workload, workload.fixed_rate, slos)
+    fit = {**terms.to_dict(), "workload": workload.name, "policy": policy, "rate": workload.fixed_rate}
+    return with_export(fit, xtl)
+
+
+EXPORT_POLICY = "distserve"
+
+
+def export_timeline(work: Path, executor: str) -> Path:
+    return work / f"fit-export-{executor}.json"
+
+
+def with_export(fit: dict, timeline: Path) -> dict:
+    """`fit` with the KV export time fitted on `timeline` (flowyard.costmodel.serving.fit_export),
+    when the run has one; runs made before it have none and keep 0."""
+    from flowyard.costmodel.serving import fit_export
+
+    if not timeline.exists():
+        return {**fit, "export_s": 0.0, "export_fitted_on": ""}
+    return {**fit, "export_s": fit_export(json.loads(timeline.read_text())), "export_fitted_on": str(timeline)}
 
 
 def serving_note(meta: dict) -> list[str]:
@@ -220,6 +243,9 @@ def serving_note(meta: dict) -> list[str]:
            f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
            f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
            f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps"
+           + (f"; a moved request's KV costs its source {sv['export_s'] * 1e3:.1f} ms before its next step (fitted "
+              f"on the timeline `{Path(sv['export_fitted_on']).name}`, a served run whose requests move)"
+              if sv.get("export_s") else "")
            + (f" (refitted on the same timeline at {sv['refit_revision']}, `--resim`)." if sv.get("refit_revision") else ".")
            for ex, sv in fits.items()]
     if out:

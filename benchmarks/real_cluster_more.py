@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
-                              served_clock, sim_point, write_report)
+from real_cluster_lib import (ExperimentConfig, Server, export_timeline, fixed_workload, make_workload, real_point,
+                              run_slos, served_clock, sim_point, with_export, write_report)
 from real_cluster_points import add_point, parse_add_rates
 
 from flowyard.costmodel.profiled import ProfiledCostModel
@@ -110,7 +110,8 @@ def refit_serving(work: Path, executor: str, fit: dict) -> dict:
     """The executor's served-step terms fitted again, with this revision's cost model, on the
     timeline the run fitted them on (kept in the work dir): the same steps, measured before any
     row was. The frontend latency comes from the client's TTFT, which the timeline lacks, and
-    does not depend on the model: it is kept."""
+    does not depend on the model: it is kept. The KV export time is fitted on the work dir's
+    `fit-export-<executor>.json` timeline where there is one."""
     from flowyard.costmodel.serving import fit_serving
 
     timeline = work / f"fit-serving-{executor}-{fit['workload']}-{fit['policy']}.json"
@@ -119,7 +120,8 @@ def refit_serving(work: Path, executor: str, fit: dict) -> dict:
     prof = json.loads((work / f"profile-{executor}.json").read_text())
     prof.pop("serving", None)
     terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"])
-    return {**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"], "refit_revision": source_revision()}
+    refit = {**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"], "refit_revision": source_revision()}
+    return with_export(refit, export_timeline(work, executor))
 
 
 def resim(args) -> None:

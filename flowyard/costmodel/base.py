@@ -52,6 +52,12 @@ class CostModel(ABC):
         the simulator delays every arrival by it. 0 unless the cost model emulates a stack."""
         return 0.0
 
+    def kv_export_time(self) -> Seconds:
+        """Time an instance spends giving up each request whose KV moves out (Ray: copying it
+        into the object store) before it can start its next step; 0 unless the cost model
+        emulates an executor that pays it."""
+        return 0.0
+
     def op_times(self, shape: BatchShape) -> dict[str, Seconds]:
         """Whole-step time per operator (layer operators summed over all layers)."""
         out = {k: v * self.num_layers for k, v in self.layer_op_times(shape).items()}
@@ -113,6 +119,9 @@ class ScaledCostModel(CostModel):
 
     def frontend_latency(self) -> Seconds:
         return self.base.frontend_latency()
+
+    def kv_export_time(self) -> Seconds:
+        return self.base.kv_export_time()
 
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()

@@ -173,6 +173,9 @@ class ProfiledCostModel(CostModel):
     def frontend_latency(self) -> Seconds:
         return self.serving.frontend_s
 
+    def kv_export_time(self) -> Seconds:
+        return self.serving.export_s
+
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
 

@@ -9,13 +9,16 @@ a profile may carry a `serving` block, fitted on one served run and then used fo
 
     served step = scale * profiled price + row_s * sampled rows + step_s
     client TTFT = server TTFT + frontend_s
+    an instance a request's KV moves out of is busy export_s more before its next step
 
 The step includes the gap to the next step while the server is busy (the serving loop's
 share). `fit_serving` fits the three step terms by non-negative least squares on relative
 error over every step of a `flowyard serve --timeline` trace, pricing each step's exact batch
 shape (the timeline records it), and takes `frontend_s` from the client's and the server's
 TTFT medians. The fit names the run it came from (`fitted_on`), so a report can keep the
-fitted run apart from the ones it predicts.
+fitted run apart from the ones it predicts. `fit_export` takes `export_s` from a run whose
+requests move between instances (a disaggregated policy): on Ray the source actor copies each
+moved request's KV into the object store on the thread that runs its steps.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ServingTerms:
     steps: int = 0  # served steps the fit saw
     median_error_before: float = 0.0  # median |served / profiled - 1| over those steps
     median_error_after: float = 0.0  # ... and with these terms
+    export_s: float = 0.0  # the source's time per request whose KV moves out (fit_export)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServingTerms":
@@ -55,7 +59,7 @@ class ServingTerms:
             t = cls(**fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed serving block {d}: {e}") from None
-        if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s) < 0:
+        if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s, t.export_s) < 0:
             raise ValueError(f"serving block needs scale > 0 and non-negative times, got {d}")
         return t
 
@@ -148,3 +152,39 @@ def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path
     prof["serving"] = terms.to_dict()
     Path(out).write_text(json.dumps(prof, indent=1))
     return terms
+
+
+def fit_export(trace: dict | list, busy_gap_s: float = 0.1) -> float:
+    """Seconds an instance spends per request whose KV moves out, before its next step: on the
+    instances requests move out of, the gaps between steps while they had work (shorter than
+    `busy_gap_s`) that follow moves, less the median busy gap of the instances nothing moves
+    out of (the serving loop, which `step_s` already prices), summed over those gaps and
+    divided by the moves in them."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    steps: dict[Any, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "step":
+            steps.setdefault(e.get("pid"), []).append(e)
+    moves = [e for e in events if e.get("cat") == "decision" and e.get("name") in ("handoff", "decode", "migrate")
+             and e.get("args", {}).get("src") is not None and e["args"].get("dst") != e["args"]["src"]]
+    sources = {e["args"]["src"] for e in moves}
+
+    def gaps(pid: Any) -> list[tuple[float, float, float]]:  # (end, next start, gap in s)
+        st = sorted(steps.get(pid, []), key=lambda e: e["ts"])
+        return [(a["ts"] + a["dur"], b["ts"], (b["ts"] - a["ts"] - a["dur"]) / 1e6) for a, b in zip(st, st[1:])]
+
+    base = [g for pid in steps if pid not in sources for _, _, g in gaps(pid) if 0 < g < busy_gap_s]
+    if not moves or not base:
+        raise ValueError("fitting the KV export time needs a timeline where requests move from some instances "
+                         "and not from others (a disaggregated policy, served with --timeline)")
+    base_gap = statistics.median(base)
+    excess, n = 0.0, 0
+    for pid in sources:
+        at = sorted(e["ts"] for e in moves if e["args"]["src"] == pid)
+        for end, nxt, gap in gaps(pid):
+            k = sum(1 for t in at if end - 2e3 <= t < nxt)  # decided as the step ended, before the next began
+            if k and 0 < gap < busy_gap_s:
+                excess, n = excess + gap - base_gap, n + k
+    if not n:
+        raise ValueError("no move in the timeline was followed by a step of its source while it had work")
+    return max(0.0, excess / n)

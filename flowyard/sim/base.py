@@ -49,6 +49,7 @@ class SimBase(InstanceDriver):
     steps: int
     preemption_blocking: list[float]
     _device_free: float  # when the step in flight ends (only `shared_device` waits for it)
+    _export_s: float  # a moved request's KV export time on its source (CostModel.kv_export_time)
     _by_role: dict[Role | None, list[int]]
     _snap_cache: dict[int, tuple[float, InstanceSnapshot]]
     _touched: Touched

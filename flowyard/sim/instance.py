@@ -17,7 +17,7 @@ class SimInstance:
 
     __slots__ = ("id", "sched", "plan", "ends", "version", "busy_s", "turns", "bounds",
                  "suspend_at", "work", "shape", "shape_done", "kv_since", "kv_used", "started",
-                 "snap", "sync_after")
+                 "snap", "sync_after", "export_until")
 
     def __init__(self, iid: int, sched: LocalScheduler) -> None:
         self.id = iid
@@ -38,6 +38,8 @@ class SimInstance:
         # the first step end of a multi-step run in flight (inf: none): a snapshot taken later
         # must commit the steps done by then (a float, so the check costs no numpy scalar)
         self.sync_after = float("inf")
+        # busy until then giving up the KV of requests that moved out (CostModel.kv_export_time)
+        self.export_until = 0.0
 
     def set_ends(self, ends: np.ndarray) -> None:
         """The step end times of the run in flight (what is left of it)."""

@@ -84,6 +84,9 @@ class Simulator(SimTransport, StepExecution):
         # A request reaches the scheduler this long after its client sent it (its arrival):
         # the emulated stack's frontend, which the client's TTFT includes.
         self.frontend = cast(float, cost_model.frontend_latency())  # a scalar (Seconds may be an array)
+        # An instance a request's KV moves out of is busy this long more (Ray's export to its
+        # object store, fitted on a served timeline; 0 for executors that move KV for free).
+        self._export_s = cast(float, cost_model.kv_export_time())
         self.topology = topology
         self.progress = progress
         self.on_step = on_step  # (instance, plan, steps) after each executed plan: tracing

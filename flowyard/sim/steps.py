@@ -46,6 +46,10 @@ class StepExecution(SimBase):
             ends = np.cumsum(np.concatenate(([self.now], durations)))[1:]
         else:
             ends = np.array([self.now + float(self.cost.step_time(shape))])
+        if inst.export_until > self.now:  # still copying out the KV of requests that moved
+            ends = ends + (inst.export_until - self.now)
+            if inst.bounds is not None:
+                inst.bounds = inst.bounds + (inst.export_until - self.now)
         inst.plan = plan
         inst.set_ends(ends)
         inst.started = self.now

@@ -122,6 +122,9 @@ class SimTransport(SimBase):
         return inst.sched.hand_off(st.id) is not None
 
     def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
+        if src != dst and self._export_s:  # the source copies the KV out before its next step
+            source = self.instances[src]
+            source.export_until = max(source.export_until, now) + self._export_s
         self.kv_push.handed_off(st)
         target = self.instances[dst]
         target.sched.add_migration(st, now)

@@ -1,0 +1,71 @@
+"""The time a source instance spends giving up a moved request's KV (Ray copies it into the
+object store on the thread that runs its steps): fitted on a served timeline
+(`serving.fit_export`) and charged by the simulator before the source's next step."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FixedLink, LinearCost
+from flowyard.core.request import SLO, Request
+from flowyard.costmodel.serving import ServingTerms, fit_export
+from flowyard.policies.registry import PolicyOptions, build_policy
+from flowyard.sim.cluster import Topology
+from flowyard.sim.simulator import Simulator
+
+TOPO = Topology(1, FixedLink(), FixedLink())
+
+
+class Exporting(LinearCost):
+    def __init__(self, export_s: float) -> None:
+        super().__init__()
+        self.export_s = export_s
+
+    def kv_export_time(self) -> float:
+        return self.export_s
+
+
+def run(export_s: float):
+    cost = Exporting(export_s)
+    reqs = [Request(i, arrival=0.0, prompt_len=5000, output_len=4, slo=SLO()) for i in range(3)]
+    pol = build_policy("distserve", PolicyOptions(num_instances=2, num_prefill=1, predictor=cost))
+    return {s.id: s for s in Simulator(reqs, pol, cost, TOPO).run().states}
+
+
+def test_a_prefill_instance_waits_out_each_moved_requests_export_before_its_next_step():
+    free, paying = run(0.0), run(0.05)
+    prefill = LinearCost().base + 1e-4 * 5000  # one whole prompt per step (5,000 + 5,000 > 8,192)
+    assert free[0].first_token_time == pytest.approx(prefill)
+    assert paying[0].first_token_time == pytest.approx(prefill)  # nothing moved before it
+    assert paying[1].first_token_time - free[1].first_token_time == pytest.approx(0.05)
+    assert paying[2].first_token_time - free[2].first_token_time == pytest.approx(0.10)
+
+
+def _trace(gap_after_move_ms: float) -> list[dict]:
+    """Instance 0 prefills and hands every request to instance 1; both step back to back
+    with 3.5 ms between steps, and instance 0 pays `gap_after_move_ms` more after a move."""
+    ev, t0, t1 = [], 0.0, 0.0
+    for i in range(12):
+        ev.append({"ph": "X", "cat": "step", "name": "prefill", "pid": 0, "ts": t0, "dur": 100e3})
+        ev.append({"ph": "i", "cat": "decision", "name": "handoff", "pid": 0, "ts": t0 + 100e3 + 500,
+                   "args": {"request": i, "src": 0, "dst": 1}})
+        t0 += 100e3 + 3.5e3 + gap_after_move_ms * 1e3
+    for _ in range(40):
+        ev.append({"ph": "X", "cat": "step", "name": "decode", "pid": 1, "ts": t1, "dur": 20e3})
+        t1 += 20e3 + 3.5e3
+    return ev
+
+
+def test_the_export_time_is_the_sources_busy_gap_beyond_the_others():
+    assert fit_export(_trace(12.0)) == pytest.approx(0.012)
+    assert fit_export({"traceEvents": _trace(0.0)}) == pytest.approx(0.0, abs=1e-9)
+    colocated = [e for e in _trace(12.0) if e["cat"] != "decision"]
+    with pytest.raises(ValueError, match="requests move from some instances"):
+        fit_export(colocated)
+
+
+def test_a_profiles_serving_block_carries_the_export_time_and_refuses_a_negative_one():
+    assert ServingTerms.from_dict({"export_s": 0.02}).export_s == 0.02
+    assert ServingTerms.from_dict({}).export_s == 0.0
+    with pytest.raises(ValueError, match="non-negative"):
+        ServingTerms.from_dict({"export_s": -1.0})
