@@ -25,11 +25,11 @@ class Exporting(LinearCost):
         return self.export_s
 
 
-def run(export_s: float):
+def run(export_s: float, shared_device: bool = False):
     cost = Exporting(export_s)
     reqs = [Request(i, arrival=0.0, prompt_len=5000, output_len=4, slo=SLO()) for i in range(3)]
     pol = build_policy("distserve", PolicyOptions(num_instances=2, num_prefill=1, predictor=cost))
-    return {s.id: s for s in Simulator(reqs, pol, cost, TOPO).run().states}
+    return {s.id: s for s in Simulator(reqs, pol, cost, TOPO, shared_device=shared_device).run().states}
 
 
 def test_a_prefill_instance_waits_out_each_moved_requests_export_before_its_next_step():
@@ -39,6 +39,14 @@ def test_a_prefill_instance_waits_out_each_moved_requests_export_before_its_next
     assert paying[0].first_token_time == pytest.approx(prefill)  # nothing moved before it
     assert paying[1].first_token_time - free[1].first_token_time == pytest.approx(0.05)
     assert paying[2].first_token_time - free[2].first_token_time == pytest.approx(0.10)
+
+
+def test_on_a_shared_device_every_instance_waits_out_the_export():
+    free, paying = run(0.0, shared_device=True), run(0.05, shared_device=True)
+    assert paying[0].first_token_time == pytest.approx(free[0].first_token_time)
+    # request 0's first decode step, on the other instance, waits for its own KV's export
+    assert paying[0].finish_time - free[0].finish_time >= 0.05 - 1e-9
+    assert all(paying[i].finish_time > free[i].finish_time for i in range(3))
 
 
 def _trace(gap_after_move_ms: float) -> list[dict]:
@@ -60,8 +68,23 @@ def test_the_export_time_is_the_sources_busy_gap_beyond_the_others():
     assert fit_export(_trace(12.0)) == pytest.approx(0.012)
     assert fit_export({"traceEvents": _trace(0.0)}) == pytest.approx(0.0, abs=1e-9)
     colocated = [e for e in _trace(12.0) if e["cat"] != "decision"]
-    with pytest.raises(ValueError, match="requests move from some instances"):
+    with pytest.raises(ValueError, match="needs a timeline where requests move"):
         fit_export(colocated)
+
+
+def test_on_one_thread_the_export_delays_the_next_step_of_any_instance():
+    """One process: the instances take turns, so the gap a move adds is before whichever step
+    runs next (here a decode of the other instance), not before the source's own next step."""
+    ev, t = [], 0.0
+    for i in range(12):
+        ev.append({"ph": "X", "cat": "step", "name": "prefill", "pid": 0, "ts": t, "dur": 50e3})
+        ev.append({"ph": "i", "cat": "decision", "name": "handoff", "pid": 0, "ts": t + 50e3 + 300,
+                   "args": {"request": i, "src": 0, "dst": 1}})
+        t += 50e3 + 2e3 + 3e3  # the serving loop's 2 ms and the export's 3 ms
+        for _ in range(3):
+            ev.append({"ph": "X", "cat": "step", "name": "decode", "pid": 1, "ts": t, "dur": 10e3})
+            t += 10e3 + 2e3
+    assert fit_export(ev) == pytest.approx(0.003)
 
 
 def test_a_profiles_serving_block_carries_the_export_time_and_refuses_a_negative_one():

@@ -155,36 +155,33 @@ def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path
 
 
 def fit_export(trace: dict | list, busy_gap_s: float = 0.1) -> float:
-    """Seconds an instance spends per request whose KV moves out, before its next step: on the
-    instances requests move out of, the gaps between steps while they had work (shorter than
-    `busy_gap_s`) that follow moves, less the median busy gap of the instances nothing moves
-    out of (the serving loop, which `step_s` already prices), summed over those gaps and
-    divided by the moves in them."""
+    """Seconds an instance spends per request whose KV moves out, before its next step: the
+    gaps between steps while there was work (shorter than `busy_gap_s`) that follow moves, less
+    the median busy gap that follows no move (the serving loop, which `step_s` already prices),
+    summed over those gaps and divided by the moves in them. Where instances run steps at once
+    (Ray actors) a gap is to the source's own next step; where they take turns on one thread
+    (one process) it is to the next step anywhere, as `served_steps` measures it."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps: dict[Any, list[dict]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "step":
-            steps.setdefault(e.get("pid"), []).append(e)
+    steps = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "step"), key=lambda e: e["ts"])
     moves = [e for e in events if e.get("cat") == "decision" and e.get("name") in ("handoff", "decode", "migrate")
              and e.get("args", {}).get("src") is not None and e["args"].get("dst") != e["args"]["src"]]
-    sources = {e["args"]["src"] for e in moves}
-
-    def gaps(pid: Any) -> list[tuple[float, float, float]]:  # (end, next start, gap in s)
-        st = sorted(steps.get(pid, []), key=lambda e: e["ts"])
-        return [(a["ts"] + a["dur"], b["ts"], (b["ts"] - a["ts"] - a["dur"]) / 1e6) for a, b in zip(st, st[1:])]
-
-    base = [g for pid in steps if pid not in sources for _, _, g in gaps(pid) if 0 < g < busy_gap_s]
+    overlap = any(b["ts"] < a["ts"] + a["dur"] - 1e3 for a, b in zip(steps, steps[1:]))
+    lanes: dict[Any, list[dict]] = {}
+    for e in steps:
+        lanes.setdefault(e.get("pid") if overlap else None, []).append(e)
+    after: list[tuple[float, int]] = []  # (busy gap in s, moves decided as the step before it ended)
+    for lane, st in lanes.items():
+        at = sorted(e["ts"] for e in moves if not overlap or e["args"]["src"] == lane)
+        for a, b in zip(st, st[1:]):
+            end, gap = a["ts"] + a["dur"], (b["ts"] - a["ts"] - a["dur"]) / 1e6
+            if 0 < gap < busy_gap_s:
+                after.append((gap, sum(1 for t in at if end - 2e3 <= t < b["ts"])))
+    base = [g for g, k in after if not k]
+    moved = [(g, k) for g, k in after if k]
     if not moves or not base:
-        raise ValueError("fitting the KV export time needs a timeline where requests move from some instances "
-                         "and not from others (a disaggregated policy, served with --timeline)")
+        raise ValueError("fitting the KV export time needs a timeline where requests move and some busy steps "
+                         "are followed by no move (a disaggregated policy, served with --timeline)")
+    if not moved:
+        raise ValueError("no move in the timeline was followed by a step while there was work")
     base_gap = statistics.median(base)
-    excess, n = 0.0, 0
-    for pid in sources:
-        at = sorted(e["ts"] for e in moves if e["args"]["src"] == pid)
-        for end, nxt, gap in gaps(pid):
-            k = sum(1 for t in at if end - 2e3 <= t < nxt)  # decided as the step ended, before the next began
-            if k and 0 < gap < busy_gap_s:
-                excess, n = excess + gap - base_gap, n + k
-    if not n:
-        raise ValueError("no move in the timeline was followed by a step of its source while it had work")
-    return max(0.0, excess / n)
+    return max(0.0, sum(g - base_gap for g, _ in moved) / sum(k for _, k in moved))

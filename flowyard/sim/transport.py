@@ -123,8 +123,10 @@ class SimTransport(SimBase):
 
     def move(self, src: int, dst: int, st: RequestState, now: float) -> None:
         if src != dst and self._export_s:  # the source copies the KV out before its next step
-            source = self.instances[src]
-            source.export_until = max(source.export_until, now) + self._export_s
+            until = max(self.instances[src].export_until, now) + self._export_s
+            # on one shared device that is the device's time: whichever instance steps next waits
+            for inst in (self.instances if self.shared_device else [self.instances[src]]):
+                inst.export_until = until
         self.kv_push.handed_off(st)
         target = self.instances[dst]
         target.sched.add_migration(st, now)
