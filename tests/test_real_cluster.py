@@ -331,3 +331,25 @@ def test_points_added_to_a_run_are_judged_by_the_slos_its_requests_carried():
     assert rc.run_slos({"slo_factor": 4.0, "slos": stored}, both, "ray", cost) == own
     by = {"slo_factor": 4.0, "slos": stored, "slos_by": {"local": {"tpot_s": 0.2, "ttft_by_length": "0:1"}}}
     assert rc.run_slos(by, both, "local", cost) == rc.EngineSLOs(0.2, "0:1")
+
+
+def test_a_run_with_an_export_timeline_clocks_each_move_and_one_without_keeps_zero(tiny, tmp_path):
+    """--fit-serving records a served timeline where requests move (fit-export-<executor>.json);
+    the fitted KV export time goes into the executor's serving terms, which clock the simulator."""
+    fit = {"scale": 1.0, "row_s": 0.0, "step_s": 0.0, "frontend_s": 0.0}
+    assert rc.with_export(fit, rc.export_timeline(tmp_path, "ray"))["export_s"] == 0.0
+    ev, t0, t1 = [], 0.0, 0.0
+    for i in range(10):  # instance 0 hands every request to instance 1 and pays 8 ms after each
+        ev.append({"ph": "X", "cat": "step", "name": "prefill", "pid": 0, "ts": t0, "dur": 50e3})
+        ev.append({"ph": "i", "cat": "decision", "name": "handoff", "pid": 0, "ts": t0 + 50e3 + 100,
+                   "args": {"request": i, "src": 0, "dst": 1}})
+        t0 += 50e3 + 3e3 + 8e3
+    for _ in range(30):
+        ev.append({"ph": "X", "cat": "step", "name": "decode", "pid": 1, "ts": t1, "dur": 10e3})
+        t1 += 10e3 + 3e3
+    rc.export_timeline(tmp_path, "ray").write_text(json.dumps({"traceEvents": ev}))
+    got = rc.with_export(fit, rc.export_timeline(tmp_path, "ray"))
+    assert got["export_s"] == pytest.approx(0.008) and got["export_fitted_on"].endswith("fit-export-ray.json")
+    _, path, cost = tiny
+    assert rc.served_clock(path, got, cost).kv_export_time() == pytest.approx(0.008)
+    assert cost.kv_export_time() == 0.0  # the policies' own predictions pay nothing
