@@ -92,3 +92,24 @@ def test_a_profiles_serving_block_carries_the_export_time_and_refuses_a_negative
     assert ServingTerms.from_dict({}).export_s == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         ServingTerms.from_dict({"export_s": -1.0})
+
+
+def test_profile_fits_the_export_time_from_a_timeline_where_requests_move(tmp_path, capsys):
+    """`flowyard profile --serving-timeline T --export-timeline X --from P --out O`."""
+    import json
+
+    from test_serving_fit import _profile, _served_timeline
+
+    from flowyard.cli import main
+    from flowyard.costmodel.profiled import ProfiledCostModel
+
+    base, tl, xtl, out = (tmp_path / n for n in ("p.json", "tl.json", "x.json", "o.json"))
+    base.write_text(json.dumps(_profile()))
+    tl.write_text(json.dumps(_served_timeline(ProfiledCostModel(_profile({"scale": 1.1})))))
+    xtl.write_text(json.dumps({"traceEvents": _trace(9.0)}))
+    assert main(["profile", "--serving-timeline", str(tl), "--export-timeline", str(xtl), "--from", str(base),
+                 "--out", str(out)]) == 0
+    assert "KV export 9.0 ms a move" in capsys.readouterr().out
+    assert ProfiledCostModel(str(out)).kv_export_time() == pytest.approx(0.009)
+    assert main(["profile", "--export-timeline", str(xtl), "--out", str(out)]) == 2
+    assert "--export-timeline goes with --serving-timeline" in capsys.readouterr().err

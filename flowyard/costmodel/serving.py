@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +139,10 @@ def _read_json(path: str | Path, what: str):
 
 
 def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path,
-                      client_ttft_p50: float | None = None) -> ServingTerms:
+                      client_ttft_p50: float | None = None, export_timeline: str | Path | None = None) -> ServingTerms:
     """Fit on the `timeline` of an engine served with `profile` (any serving block it has is
-    dropped first) and write the profile with the fitted block to `out`."""
+    dropped first), and the KV export time on `export_timeline` when given, and write the
+    profile with the fitted block to `out`."""
     from flowyard.costmodel.profiled import ProfiledCostModel
 
     prof = _read_json(profile, "profile")
@@ -149,6 +150,8 @@ def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path
         raise ValueError(f"profile {str(profile)!r} is not a JSON object")
     prof.pop("serving", None)
     terms = fit_serving(ProfiledCostModel(prof), _read_json(timeline, "timeline"), str(timeline), client_ttft_p50)
+    if export_timeline is not None:
+        terms = replace(terms, export_s=fit_export(_read_json(export_timeline, "export timeline")))
     prof["serving"] = terms.to_dict()
     Path(out).write_text(json.dumps(prof, indent=1))
     return terms

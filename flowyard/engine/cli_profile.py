@@ -29,6 +29,10 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --serving-timeline: the profile the served engine ran with")
     p.add_argument("--client-ttft-ms", type=float, default=None,
                    help="with --serving-timeline: the client's median TTFT of that run, for the frontend latency")
+    p.add_argument("--export-timeline", default=None, metavar="TIMELINE",
+                   help="with --serving-timeline: a `flowyard serve --timeline` trace of a policy that moves "
+                        "requests between instances (e.g. distserve), to fit the time a source spends exporting "
+                        "each moved request's KV (serving.fit_export; the simulator charges it per move)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -40,9 +44,11 @@ def cmd_fit_serving(args: argparse.Namespace) -> int:
         raise ValueError("--serving-timeline needs --from PROFILE: the profile the served engine ran with")
     check_output_path(args.out, "--out")
     ttft = args.client_ttft_ms / 1e3 if args.client_ttft_ms is not None else None
-    t = fit_serving_files(args.base, args.serving_timeline, args.out, client_ttft_p50=ttft)
+    t = fit_serving_files(args.base, args.serving_timeline, args.out, client_ttft_p50=ttft,
+                          export_timeline=args.export_timeline)
     print(f"served step = {t.scale:.3f} x profiled price + {t.row_s * 1e3:.3f} ms per sampled row "
-          f"+ {t.step_s * 1e3:.3f} ms per step; frontend {t.frontend_s * 1e3:.1f} ms "
+          f"+ {t.step_s * 1e3:.3f} ms per step; frontend {t.frontend_s * 1e3:.1f} ms; KV export "
+          f"{t.export_s * 1e3:.1f} ms a move "
           f"({t.steps} steps; median |error| {t.median_error_before:.1%} -> {t.median_error_after:.1%})")
     print(f"wrote {args.out}")
     return 0
@@ -51,6 +57,8 @@ def cmd_fit_serving(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.serving_timeline is not None:
         return cmd_fit_serving(args)
+    if args.export_timeline is not None:
+        raise ValueError("--export-timeline goes with --serving-timeline (the fit of a served profile)")
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel
