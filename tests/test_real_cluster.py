@@ -353,3 +353,13 @@ def test_a_run_with_an_export_timeline_clocks_each_move_and_one_without_keeps_ze
     _, path, cost = tiny
     assert rc.served_clock(path, got, cost).kv_export_time() == pytest.approx(0.008)
     assert cost.kv_export_time() == 0.0  # the policies' own predictions pay nothing
+
+
+def test_an_export_timeline_that_fits_nothing_is_reported_and_charges_nothing(tmp_path, capsys):
+    fit = {"scale": 1.0, "row_s": 0.0, "step_s": 0.0, "frontend_s": 0.0}
+    tl = rc.export_timeline(tmp_path, "local")
+    tl.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "step", "name": "decode", "pid": 0, "ts": 0.0,
+                                               "dur": 1e3}]}))
+    got = rc.with_export(fit, tl)
+    assert got["export_s"] == 0.0 and "move" in got["export_unfitted"]
+    assert "no KV export time" in capsys.readouterr().err
