@@ -19,7 +19,7 @@ import gzip
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
@@ -50,9 +50,14 @@ def sharegpt_first_turn() -> str:
     p, o = p[keep], o[keep]
     p = np.maximum(1, np.round(p * FIRST_TURN["input_tokens"] / FIRST_TURN["requests"] / p.mean()))
     o = np.maximum(1, np.round(o * FIRST_TURN["output_tokens"] / FIRST_TURN["requests"] / o.mean()))
-    path = Path(tempfile.gettempdir()) / "flowyard_sharegpt_first_turn.csv"
-    lines = ["num_prefill_tokens,num_decode_tokens"] + [f"{int(a)},{int(b)}" for a, b in zip(p, o)]
-    path.write_text("\n".join(lines) + "\n")
+    return _lengths_csv("sharegpt_first_turn", zip(p, o))
+
+
+def _lengths_csv(name: str, rows: Iterable[tuple[float, float]]) -> str:
+    """Write a length-only trace (prompt, output tokens per request, in order) to the temp
+    dir under `name`; its path."""
+    path = Path(tempfile.gettempdir()) / f"flowyard_{name}.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{int(a)},{int(b)}\n" for a, b in rows))
     return str(path)
 
 
@@ -84,19 +89,14 @@ def length_trace(rows: tuple[tuple[int, int], ...]) -> str:
     """Path of a length-only trace of exactly these (prompt, output) requests, in order."""
     import hashlib
 
-    key = hashlib.sha1(repr(rows).encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"flowyard_lengths_{key}.csv"
-    path.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))
-    return str(path)
+    return _lengths_csv("lengths_" + hashlib.sha1(repr(rows).encode()).hexdigest()[:16], rows)
 
 
 @lru_cache(maxsize=16)
 def fixed_shape(prompt: int, output: int, rows: int = 20_000) -> str:
     """Path of a length-only trace whose every request has this shape (Poisson arrivals are
     drawn when it is loaded at a rate)."""
-    path = Path(tempfile.gettempdir()) / f"flowyard_shape_{prompt}_{output}.csv"
-    path.write_text("num_prefill_tokens,num_decode_tokens\n" + f"{prompt},{output}\n" * rows)
-    return str(path)
+    return _lengths_csv(f"shape_{prompt}_{output}", [(prompt, output)] * rows)
 
 
 @lru_cache(maxsize=256)

@@ -77,7 +77,7 @@ class Simulator(SimTransport, StepExecution):
         self.arrivals = arrivals if arrivals is not None else OpenLoop(self.requests)
         # A source that reads the tokens as they stream (`client_cpu.SharedClient`) hears of
         # every step and wakes when it asks to: steps run one at a time so it hears of each.
-        self._reads = bool(getattr(self.arrivals, "reads_tokens", False))
+        self._reader = cast("SharedClient", self.arrivals) if getattr(self.arrivals, "reads_tokens", False) else None
         self._client_wake = INF
         self.policy = policy
         self.cost = cost_model
@@ -105,7 +105,7 @@ class Simulator(SimTransport, StepExecution):
         self.shared_device = shared_device
         self._device_free = 0.0  # when the step in flight ends (only `shared_device` waits for it)
         self.instances = [SimInstance(i, policy.make_local(i, kv_cls(num_blocks, block_size),
-                                                        single_step=shared_device or self._reads))
+                                                        single_step=shared_device or self._reader is not None))
                           for i in range(len(policy.roles))]
         # who steps next on each device, and when idle instances wake (`flowyard.cluster.turns`):
         # one queue for a shared device, else one per instance; a new place in a queue is a
@@ -166,8 +166,9 @@ class Simulator(SimTransport, StepExecution):
             elif kind == TIMER:
                 self._timer(payload, len(states))  # type: ignore[arg-type]
             elif kind == CLIENT:
+                assert self._reader is not None
                 self._client_wake = INF
-                self._send(cast("SharedClient", self.arrivals).on_wake(t))
+                self._send(self._reader.on_wake(t))
             else:
                 self._kv_landed(*payload)  # type: ignore[misc]
             if self.progress is not None and events % 4096 == 0:
@@ -187,8 +188,8 @@ class Simulator(SimTransport, StepExecution):
             if st.req.arrival != t:  # sent by a closed-loop client: arrival = send time
                 st.req = replace(st.req, arrival=t)
             self._push(t + self.frontend, ARRIVAL, st)
-        if self._reads:
-            wake = cast("SharedClient", self.arrivals).wake_at()
+        if self._reader is not None:
+            wake = self._reader.wake_at()
             if wake is not None and wake < self._client_wake:
                 self._client_wake = wake
                 self._push(wake, CLIENT, None)
@@ -230,8 +231,8 @@ class Simulator(SimTransport, StepExecution):
         inst.settle(self.now)
         self.kv_push.computed(inst.id, ends)
         self.end_turn(inst.id, True, None, self.now, (result,))
-        if self._reads:
-            self._send(cast("SharedClient", self.arrivals).on_tokens(self.now))
+        if self._reader is not None:
+            self._send(self._reader.on_tokens(self.now))
 
     # -- the end of a turn (flowyard.cluster.driver) ---------------------------------------
     def _turns_of(self, i: int) -> Turns:
