@@ -285,3 +285,24 @@ def test_a_profile_fits_its_all_reduce_latency_only_on_its_own_tensor_parallel_r
     assert 0 < ar < H100_PARAMS.ar_latency_s
     assert calibrated(get_hardware("h100"), engine="vllm-v0").params.ar_latency_s == pytest.approx(ar)
     assert calibrated(get_hardware("h100"), engine="vllm-v1").params.ar_latency_s == H100_PARAMS.ar_latency_s
+
+
+def test_a_multi_step_engine_pays_its_host_terms_once_per_k_steps():
+    """vLLM 0.6's --num-scheduler-steps 10: scheduling and input preparation once per ten
+    steps, so under an engine with milliseconds of host time per step the replayed TPOT falls,
+    and by no more than that host time."""
+    from flowyard.costmodel.replay import multi_step
+
+    d = {"name": "ms run", "family": "f", "engine": "vllm-v0", "kind": "serving", "metric": "tpot_p50",
+         "model": "llama-3-8b", "hardware": "h100", "tp": 1, "measured": 8.0, "unit": "ms", "source": "s",
+         "workload": {"lengths": [[50, 60]] * 8, "rate": 1e6, "num_requests": 8, "scheduler": "prefill-first"}}
+    one = point_from_dict(d)
+    ten = point_from_dict({**d, "name": "ms run 10", "workload": {**d["workload"], "scheduler_steps": 10}})
+    hw = current_fit().hardware("h100", "vllm-v0")
+    cm = RooflineCostModel(one.model, hw, 1)
+    host_ms = 1e3 * (hw.params.step_overhead_s + 8 * hw.params.seq_overhead_s)
+    assert 0.8 * host_ms < replay(one, cm) - replay(ten, cm) < host_ms
+    assert multi_step(hw, 1) is hw and multi_step(hw, 10).params.step_overhead_s == hw.params.step_overhead_s / 10
+    for bad in (0, "10", 2.5):
+        with pytest.raises(ValueError, match="scheduler_steps must be a whole number"):
+            point_from_dict({**d, "workload": {**d["workload"], "scheduler_steps": bad}})

@@ -22,7 +22,9 @@ Kinds (what `flowyard.costmodel.fit.predict` compares against):
                 chunks); `trace` (with `rate` or `concurrency`), `shape` ([prompt, output]
                 for every request) or `lengths` (the run's own [prompt, output] pairs, in
                 order), the last two with Poisson arrivals at `rate`; `instances` and `chunk` (the
-                token budget) when the run was not one instance with the policy's default
+                token budget) when the run was not one instance with the policy's default;
+                `scheduler_steps` (vLLM 0.6's --num-scheduler-steps) when the engine scheduled
+                once per that many steps
 A point with `hi` set is a range: the error is 0 inside it, else the distance to the nearest end.
 
 Derived points keep their derivation as data and the loader computes it: `parts` (a sum of
@@ -132,6 +134,9 @@ def point_from_dict(d: dict[str, Any]) -> Point:
         if "lengths" in w and not (w["lengths"] and all(len(r) == 2 and min(map(int, r)) >= 1
                                                         for r in w["lengths"])):
             raise ValueError("workload lengths must be [prompt tokens, output tokens] pairs, both >= 1")
+        steps = w.get("scheduler_steps", 1)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError("workload scheduler_steps must be a whole number >= 1")
         if "shape" in w and not (len(w["shape"]) == 2 and all(int(x) >= 1 for x in w["shape"])):
             raise ValueError("workload shape must be [prompt tokens, output tokens], both >= 1")
         measured = float(sum(d["parts"])) if "parts" in d else float(d["measured"])

@@ -4,7 +4,8 @@ A serving point states its run (dataset, request rate or closed-loop concurrency
 requests, model, GPU and TP); we replay it on one instance priced by the cost model under
 test, scheduled as the measured engine schedules (`workload.scheduler`: "vllm", chunked
 prefill beside decodes, or "prefill-first", vLLM V0 and SGLang before mixed chunks, whose
-prefills stall the decodes), and read the same metric. The ShareGPT lengths
+prefills stall the decodes; `workload.scheduler_steps`: vLLM 0.6's `--num-scheduler-steps`,
+see `multi_step`), and read the same metric. The ShareGPT lengths
 come from our bundled ShareGPT sample (whole conversations, flowyard/data/traces), kept where
 vLLM's benchmark keeps a request (prompt 4-1024 tokens, prompt + output at most 2048) and
 scaled so the means match a published first-turn draw of the benchmark (FIRST_TURN): the
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
+
+from dataclasses import replace
 
 from flowyard.costmodel.hardware import HardwareSpec
 from flowyard.costmodel.published import Point
@@ -103,6 +106,7 @@ def fixed_shape(prompt: int, output: int, rows: int = 20_000) -> str:
 def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
     from flowyard.sim.run import simulate
 
+    hw = multi_step(hw, int(point.workload.get("scheduler_steps", 1)))
     client = point.workload.get("client")
     chunk = client_chunk_s(point, hw, tp) if client else 0.0
     summary, _ = simulate(_config(point, tp, client_chunk_s=chunk),
@@ -116,6 +120,22 @@ def _replay(point: Point, hw: HardwareSpec, tp: int) -> float:
     if point.metric == "throughput_rps":
         return summary.throughput_rps
     raise ValueError(f"unknown serving metric {point.metric!r}")
+
+
+def multi_step(hw: HardwareSpec, steps: int) -> HardwareSpec:
+    """`hw` as an engine that schedules once per `steps` steps prices a step.
+
+    vLLM 0.6's multi-step scheduling (`--num-scheduler-steps k`) runs the scheduler and
+    builds the model inputs once, then replays k decode steps, advancing the inputs on the GPU
+    between them: the profile's per-step and per-sequence host terms are paid once per k steps,
+    so a step carries 1/k of them. Prefill steps get the same share (the simulator does not
+    tell the engine's single-step prefills apart), an error small beside their kernels."""
+    if steps <= 1:
+        return hw
+    p = hw.params
+    return replace(hw, params=replace(p, step_overhead_s=p.step_overhead_s / steps,
+                                      seq_overhead_s=p.seq_overhead_s / steps,
+                                      seq_overhead_layer_s=p.seq_overhead_layer_s / steps))
 
 
 def client_chunk_s(point: Point, hw: HardwareSpec, tp: int) -> float:
