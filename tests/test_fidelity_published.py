@@ -306,3 +306,30 @@ def test_a_multi_step_engine_pays_its_host_terms_once_per_k_steps():
     for bad in (0, "10", 2.5):
         with pytest.raises(ValueError, match="scheduler_steps must be a whole number"):
             point_from_dict({**d, "workload": {**d["workload"], "scheduler_steps": bad}})
+
+
+def test_golden_section_finds_a_minimum():
+    from flowyard.costmodel.refit import golden
+
+    assert golden(lambda x: (x - 0.3) ** 2, -2.0, 2.0, iters=30) == pytest.approx(0.3, abs=1e-4)
+
+
+def test_a_profile_without_tensor_parallel_steps_fits_its_all_reduce_on_burst_tpots():
+    """Without vLLM CI's TP4 latency runs, vllm-v0 has no tensor-parallel step: its all-reduce
+    latency comes from Lambda's TP 2-8 TPOTs of ten prompts sent at once; with them it stays the
+    steps' (and no burst TPOT is a fit input)."""
+    from flowyard.costmodel.refit import burst_tpots, fit_ar_latency
+
+    pts = published_points()
+    bursts = burst_tpots(pts)
+    assert bursts and all(p.tp > 1 and p.metric == "tpot_p50" for p in bursts)
+    assert {p.family for p in bursts} == {"lambda-bench"}  # open-loop runs at a finite rate are not bursts
+    fit = current_fit()
+    assert "ar:vllm-v0" not in fit.fitted_on and "ar_latency_s" in fit.engines["vllm-v0"]
+    assert fit_ar_latency(fit, pts) == fit  # the steps fitted it: kept
+    v0 = {k: v for k, v in fit.engines["vllm-v0"].items() if k != "ar_latency_s"}
+    no_tp_steps = replace(fit, engines=fit.engines | {"vllm-v0": v0})
+    fold = fit_ar_latency(no_tp_steps, pts)
+    assert fold.fitted_on["ar:vllm-v0"] == ("lambda-bench",)
+    assert 1e-6 <= fold.engines["vllm-v0"]["ar_latency_s"] <= 1e-4
+    assert "ar:vllm-v1" not in fold.fitted_on  # no burst TPOT of its stacks

@@ -7,7 +7,9 @@ attn_fixed_s), the extra causal cost of the one kernel Vidur profiled (KERNEL_TE
 only) and, per engine profile (costmodel.engines), the host-side terms -- each profile only on
 the points its own stacks measured. Serving runs are replayed in the simulator
 (costmodel.replay) and only check, save one term: each profile's frontend latency, fitted on
-its stacks' lone-request TTFTs (refit.fit_frontend), since no step measures it. A point whose engine profile a fit
+its stacks' lone-request TTFTs (refit.fit_frontend), since no step measures it, and a
+profile's all-reduce latency where its steps include no tensor-parallel run, on its stacks'
+burst TPOTs (refit.fit_ar_latency). A point whose engine profile a fit
 has no points of is priced with the default profile (else the prior).
 
 Reproduce flowyard/data/calibration.json (the 'published' calibration) with
@@ -85,7 +87,8 @@ class Fit:
         return {"kernel": self.kernel, "kernel_only": self.kernel_only,
                 "engines": {e: {**{k: 0.0 for k in HOST_TERMS}, **v,
                                 "fitted_on": list(self.fitted_on.get(e, ())),
-                                "frontend_fitted_on": list(self.fitted_on.get(f"frontend:{e}", ()))}
+                                "frontend_fitted_on": list(self.fitted_on.get(f"frontend:{e}", ())),
+                                "ar_fitted_on": list(self.fitted_on.get(f"ar:{e}", ()))}
                             for e, v in self.engines.items()}}
 
 
@@ -95,8 +98,8 @@ def current_fit() -> Fit:
     engines = {e: {k: float(v.get(k, 0.0)) for k in HOST_TERMS} | {k: float(v[k]) for k in TP_KEYS if k in v}
                for e, v in d["engines"].items()}
     on = {e: tuple(v.get("fitted_on", ())) for e, v in d["engines"].items()}
-    on |= {f"frontend:{e}": tuple(v["frontend_fitted_on"]) for e, v in d["engines"].items()
-           if v.get("frontend_fitted_on")}
+    on |= {f"{kind}:{e}": tuple(v[f"{kind}_fitted_on"]) for e, v in d["engines"].items()
+           for kind in ("frontend", "ar") if v.get(f"{kind}_fitted_on")}
     return Fit(dict(d["kernel"]), {k: dict(v) for k, v in d["kernel_only"].items()}, engines, on)
 
 
@@ -228,14 +231,16 @@ def fitted_on(calibration: str) -> list[Point]:
     """The published points a calibration's terms were fitted on, so a report that predicts one
     of them labels it a fit input rather than a check: 'published' (`python -m
     flowyard.costmodel.fit --write`) is fitted on every point but the serving replays, and on
-    the lone-request serving TTFTs (frontend latency); 'vidur' on
-    Vidur's operator profiles only, none of which are points here."""
+    the lone-request serving TTFTs (frontend latency), and on the burst TPOTs of a profile whose
+    all-reduce latency they fitted; 'vidur' on Vidur's operator profiles only, none of which
+    are points here."""
     if calibration != "published":
         return []
-    from flowyard.costmodel.refit import lone_request_ttfts
+    from flowyard.costmodel.refit import burst_tpots, lone_request_ttfts
 
     pts = published_points()
-    return fittable(pts) + lone_request_ttfts(pts)
+    ar = {k[3:] for k, v in current_fit().fitted_on.items() if k.startswith("ar:") and v}
+    return fittable(pts) + lone_request_ttfts(pts) + [p for p in burst_tpots(pts) if p.engine in ar]
 
 
 def main(argv: list[str] | None = None) -> None:

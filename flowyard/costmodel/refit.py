@@ -6,12 +6,16 @@ stacks' points) by Nelder-Mead in log space from the 'vidur' calibration's assum
 (fit.PRIOR), staged: the kernel terms first, then each profile on its own points, then all
 together. The loss is the mean |log(predicted/measured)| with every (source family, kind)
 group weighted alike, so 39 Vidur rows do not outvote four vLLM runs; serving replays enter no
-step term, and only their lone-request TTFTs fit each profile's frontend latency (fit_frontend). `cross_validate` refits without each source family in turn.
+step term, save two: their lone-request TTFTs fit each profile's frontend latency
+(fit_frontend), and the TPOTs of runs that send every request at once fit the all-reduce
+latency of a profile whose steps include no tensor-parallel run (fit_ar_latency).
+`cross_validate` refits without each source family in turn.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -111,7 +115,57 @@ def fit_points(points: list[Point], iters: int = 1500, restarts: int = 1) -> Fit
               [p for p in pts if p.engine == e and p.kind in HOST_KINDS], 1.0, iters // 4)
     for _ in range(restarts):
         stage(list(range(len(keys))), pts, 0.3, iters)
-    return fit_frontend(build(x), points)
+    return fit_frontend(fit_ar_latency(build(x), points), points)
+
+
+def golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 14) -> float:
+    """The minimum of a unimodal `f` on [lo, hi] by golden-section search."""
+    r = (math.sqrt(5) - 1) / 2
+    a, b = lo + (1 - r) * (hi - lo), lo + r * (hi - lo)
+    fa, fb = f(a), f(b)
+    for _ in range(iters):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = lo + (1 - r) * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + r * (hi - lo)
+            fb = f(b)
+    return a if fa <= fb else b
+
+
+AT_ONCE_RPS = 1e6  # a published "request rate inf" (every request sent at once), as the points store it
+
+
+def burst_tpots(points: list[Point]) -> list[Point]:
+    """The tensor-parallel P50 TPOTs of runs that send every request at once: after the
+    prompts, nothing arrives to stall the decodes, so the TPOT is the decode step the run's
+    batch takes, whose TP-dependent part is its all-reduces."""
+    return [p for p in points if p.kind == "serving" and p.metric == "tpot_p50" and p.tp > 1
+            and p.workload.get("concurrency") is None and float(p.workload.get("rate") or 0) >= AT_ONCE_RPS]
+
+
+def fit_ar_latency(fit: Fit, points: list[Point]) -> Fit:
+    """`fit` with the all-reduce latency of each profile whose own steps include no
+    tensor-parallel run, fitted on its stacks' burst TPOTs (burst_tpots) instead, as the
+    frontend latency is fitted on their lone-request TTFTs: a golden-section search over
+    1-100 us in log space of the same loss. A profile whose steps fitted the term keeps it;
+    one with neither keeps the GPU's calibrated NCCL latency."""
+    engines = {e: dict(v) for e, v in fit.engines.items()}
+    on = dict(fit.fitted_on)
+    bursts = burst_tpots(points)
+    for e in ENGINE_KEYS:
+        pts = [p for p in bursts if p.engine == e]
+        if "ar_latency_s" in engines.get(e, {}) or not on.get(e) or not pts:
+            continue
+
+        def loss(lx: float, e: str = e, pts: list[Point] = pts) -> float:
+            trial = Fit(fit.kernel, fit.kernel_only, engines | {e: engines[e] | {"ar_latency_s": math.exp(lx)}}, on)
+            return _loss(list(zip(pts, predict_fit(trial, pts))))
+        engines[e]["ar_latency_s"] = math.exp(golden(loss, math.log(1e-6), math.log(1e-4)))
+        on[f"ar:{e}"] = tuple(sorted({p.family for p in pts}))
+    return Fit(fit.kernel, fit.kernel_only, engines, on)
 
 
 def lone_request_ttfts(points: list[Point]) -> list[Point]:
@@ -166,9 +220,9 @@ def cross_validate(points: list[Point], iters: int = 1500, restarts: int = 1, wo
     family with no fittable point leaves the fit unchanged: it reuses the all-points fit."""
     fams = list(dict.fromkeys(p.family for p in points))
     train = {f: [p for p in points if p.family != f] for f in fams}
-    # a family takes part in a fit through its fittable points or its lone-request TTFTs (the
-    # frontend term): either way it needs a fold of its own
-    used = {p.family for p in fittable(points)} | {p.family for p in lone_request_ttfts(points)}
+    # a family takes part in a fit through its fittable points, its lone-request TTFTs (the
+    # frontend term) or its burst TPOTs (the all-reduce term): any way, it needs its own fold
+    used = {p.family for p in fittable(points) + lone_request_ttfts(points) + burst_tpots(points)}
     todo = [f for f in fams if f in used]
     jobs = todo + ["*all*"] if len(todo) < len(fams) else todo
     sets = [train[f] if f != "*all*" else points for f in jobs]
