@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              fit_serving_run, fixed_workload, make_workload, real_point, run_slos,
+                              fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
 
 from flowyard.experiments.provenance import machine  # noqa: E402
@@ -114,6 +114,7 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
     return "\n".join(lines)
 
 
+from real_cluster_fit import fit_serving_run  # noqa: E402
 from real_cluster_more import add_rates, refix, resim  # noqa: E402  (they use profile_engine above)
 
 

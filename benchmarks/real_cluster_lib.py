@@ -200,66 +200,6 @@ def timeline_point(srv: "Server", timeline: Path, w: "RealWorkload", rate: float
     return rp
 
 
-def fit_serving_run(workload: "RealWorkload", executor: str, profile: Path, out: Path, slos: EngineSLOs,
-                    model: str | None, work: Path, policy: str = "vllm") -> dict:
-    """One served run of `workload` at its fixed rate with a timeline, and the profile's serving
-    terms fitted on it (flowyard.costmodel.serving), written to `out` with the profile."""
-    from flowyard.costmodel.serving import fit_serving_files
-
-    tl = work / f"fit-serving-{executor}-{workload.name}-{policy}.json"
-    srv = Server(policy, executor, profile, model, work / f"fit-serving-{executor}-{policy}.log")
-    rp = timeline_point(srv, tl, workload, workload.fixed_rate, slos)
-    terms = fit_serving_files(profile, tl, out, client_ttft_p50=rp["ttft_p50"])
-    # the time a source spends giving up each moved request's KV: a run of a policy that moves
-    # every request (DistServe's prefill to decode hand-off), with a timeline, loaded enough
-    # that prompts queue behind the moves (the fit reads only gaps while there was work)
-    xtl = export_timeline(work, executor)
-    timeline_point(Server(EXPORT_POLICY, executor, profile, model, work / f"fit-export-{executor}.log"),
-                   xtl, workload, EXPORT_LOAD * workload.fixed_rate, slos)
-    fit = {**terms.to_dict(), "workload": workload.name, "policy": policy, "rate": workload.fixed_rate}
-    return with_export(fit, xtl)
-
-
-EXPORT_POLICY = "distserve"
-EXPORT_LOAD = 2.0  # the export run's rate over the fit workload's fixed rate
-
-
-def export_timeline(work: Path, executor: str) -> Path:
-    return work / f"fit-export-{executor}.json"
-
-
-def with_export(fit: dict, timeline: Path) -> dict:
-    """`fit` with the KV export time fitted on `timeline` (flowyard.costmodel.serving.fit_export),
-    when the run has one; runs made before it have none and keep 0."""
-    from flowyard.costmodel.serving import fit_export
-
-    if not timeline.exists():
-        return {**fit, "export_s": 0.0, "export_fitted_on": ""}
-    try:
-        return {**fit, "export_s": fit_export(json.loads(timeline.read_text())), "export_fitted_on": str(timeline)}
-    except ValueError as e:  # e.g. no move was followed by queued work: the run says so and charges none
-        print(f"real_cluster: no KV export time from {timeline}: {e}", file=sys.stderr, flush=True)
-        return {**fit, "export_s": 0.0, "export_fitted_on": "", "export_unfitted": str(e)}
-
-
-def serving_note(meta: dict) -> list[str]:
-    fits = meta.get("serving") or {}
-    out = [f"Served-step terms for {ex} (`--fit-serving`): fitted on one `{sv['policy']}` run of `{sv['workload']}` at "
-           f"{sv['rate']:.3g} req/s ({sv['steps']} steps), before any row was measured: served step = "
-           f"{sv['scale']:.3f} × the profile's price + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
-           f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
-           f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps"
-           + (f"; a moved request's KV costs its source {sv['export_s'] * 1e3:.1f} ms before its next step (fitted "
-              f"on the timeline `{Path(sv['export_fitted_on']).name}`, a served run whose requests move)"
-              if sv.get("export_s") else "")
-           + (f" (refitted on the same timeline at {sv['refit_revision']}, `--resim`)." if sv.get("refit_revision") else ".")
-           for ex, sv in fits.items()]
-    if out:
-        out.append("The simulator clocks every step of that executor with these terms; its policies, like the "
-                   "servers', predict with the plain profile. Rows of the fit's workload are not a check of it.")
-    return ["", " ".join(out)] if out else []
-
-
 def _rows_revisions(rows: list[dict], rev: str) -> str:
     """Which revision measured which rows (a resumed run spans several)."""
     by: dict[str, list[str]] = {}
@@ -287,6 +227,8 @@ def _curve(curve: list | None) -> str:
 
 
 def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
+    from real_cluster_fit import serving_note  # it builds on this module
+
     rev = source_revision()
     lines = [("" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n")
              + "# Policies on a real cluster, and the simulator's prediction of it", "",

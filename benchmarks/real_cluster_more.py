@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from real_cluster_lib import (ExperimentConfig, Server, export_timeline, fixed_workload, make_workload, real_point,
-                              run_slos, served_clock, sim_point, with_export, write_report)
+from real_cluster_fit import export_timeline, serving_scale, with_export
+from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
+                              served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
 
 from flowyard.costmodel.profiled import ProfiledCostModel
@@ -119,7 +120,8 @@ def refit_serving(work: Path, executor: str, fit: dict) -> dict:
         sys.exit(f"real_cluster: --resim: the served-step fit's timeline {timeline} is missing")
     prof = json.loads((work / f"profile-{executor}.json").read_text())
     prof.pop("serving", None)
-    terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"])
+    terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"],
+                        scale=serving_scale(executor))
     refit = {**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"], "refit_revision": source_revision()}
     return with_export(refit, export_timeline(work, executor))
 

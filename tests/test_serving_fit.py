@@ -123,3 +123,31 @@ def test_steps_of_separate_processes_take_their_own_gaps():
     steps = served_steps({"traceEvents": ev})
     assert len(steps) == 20
     assert [round(s.seconds, 4) for s in steps[:-2]] == [0.011] * 18  # 10 ms step + 1 ms own gap
+
+
+def test_a_held_scale_fits_only_the_loop_terms():
+    """One process: the instances take turns on the profiled thread, so the scale is held at 1
+    and the per-row and per-step terms carry what serving adds."""
+    truth = ServingTerms(scale=1.0, row_s=1.5e-3, step_s=0.8e-3)
+    served = ProfiledCostModel(_profile(truth.to_dict()))
+    fit = fit_serving(ProfiledCostModel(_profile()), _served_timeline(served), fitted_on="sim", scale=1.0)
+    assert fit.scale == 1.0
+    assert fit.row_s == pytest.approx(1.5e-3, rel=0.05) and fit.step_s == pytest.approx(0.8e-3, abs=2e-4)
+    # held where the run had another scale, the loop terms take up what they can, never negative
+    off = fit_serving(ProfiledCostModel(_profile()), _served_timeline(ProfiledCostModel(_profile({"scale": 1.3}))),
+                      fitted_on="sim", scale=1.0)
+    assert off.scale == 1.0 and min(off.row_s, off.step_s) >= 0 and off.median_error_after > 0
+
+
+def test_cli_holds_the_scale_when_asked_and_refuses_a_bad_one(tmp_path, capsys):
+    base, tl, out = tmp_path / "p.json", tmp_path / "tl.json", tmp_path / "served.json"
+    base.write_text(json.dumps(_profile()))
+    tl.write_text(json.dumps(_served_timeline(ProfiledCostModel(_profile({"row_s": 1e-3})))))
+    args = ["profile", "--serving-timeline", str(tl), "--from", str(base), "--out", str(out)]
+    assert main(args + ["--serving-scale", "1"]) == 0
+    assert ProfiledCostModel(str(out)).serving.scale == 1.0
+    capsys.readouterr()
+    assert main(args + ["--serving-scale", "0"]) != 0
+    assert "--serving-scale must be a positive number" in capsys.readouterr().err
+    assert main(["profile", "--serving-scale", "1", "--out", str(out)]) != 0
+    assert "go with --serving-timeline" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import CostModel
 
 BUSY_GAP_S = 0.05  # a longer pause between steps means the server had nothing to run
+SHARED_THREAD_SCALE = 1.0  # the scale of instances that take turns on one thread (fit_serving)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,15 @@ def server_ttfts(trace: dict | list) -> list[float]:
 
 
 def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
-                client_ttft_p50: float | None = None) -> ServingTerms:
-    """The serving terms that make `cost` (a profile without them) price the steps of `trace`."""
+                client_ttft_p50: float | None = None, scale: float | None = None) -> ServingTerms:
+    """The serving terms that make `cost` (a profile without them) price the steps of `trace`.
+
+    `scale` given: held there, and only the per-row and per-step terms fitted. In one process
+    the instances take turns on the thread the profile was timed on, so nothing runs beside a
+    step and what serving adds is the loop around it (SHARED_THREAD_SCALE); the free scale is
+    for instances that run at once on shared cores (Ray actors), where each slows the other's
+    kernels. On one thread a free scale also trades against the per-step term, and a run of
+    short prompts cannot tell them apart: a fit there then mis-prices the long chunks of others."""
     from flowyard.costmodel.profiled import nnls
 
     if getattr(cost, "serving", ServingTerms()) != ServingTerms():
@@ -120,7 +128,10 @@ def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
     real = np.array([s.seconds for s in steps])
     x = np.column_stack([price, [s.rows for s in steps], np.ones(len(steps))])
     w = 1.0 / real
-    scale, row_s, step_s = (float(v) for v in nnls(x * w[:, None], real * w))
+    if scale is None:
+        scale, row_s, step_s = (float(v) for v in nnls(x * w[:, None], real * w))
+    else:
+        row_s, step_s = (float(v) for v in nnls(x[:, 1:] * w[:, None], (real - scale * price) * w))
     if scale <= 0:
         raise ValueError("the served steps do not grow with the profile's price: is the timeline from this engine?")
     after = scale * price + row_s * x[:, 1] + step_s
@@ -139,17 +150,19 @@ def _read_json(path: str | Path, what: str):
 
 
 def fit_serving_files(profile: str | Path, timeline: str | Path, out: str | Path,
-                      client_ttft_p50: float | None = None, export_timeline: str | Path | None = None) -> ServingTerms:
+                      client_ttft_p50: float | None = None, export_timeline: str | Path | None = None,
+                      scale: float | None = None) -> ServingTerms:
     """Fit on the `timeline` of an engine served with `profile` (any serving block it has is
-    dropped first), and the KV export time on `export_timeline` when given, and write the
-    profile with the fitted block to `out`."""
+    dropped first; `scale` as fit_serving), and the KV export time on `export_timeline` when
+    given, and write the profile with the fitted block to `out`."""
     from flowyard.costmodel.profiled import ProfiledCostModel
 
     prof = _read_json(profile, "profile")
     if not isinstance(prof, dict):
         raise ValueError(f"profile {str(profile)!r} is not a JSON object")
     prof.pop("serving", None)
-    terms = fit_serving(ProfiledCostModel(prof), _read_json(timeline, "timeline"), str(timeline), client_ttft_p50)
+    terms = fit_serving(ProfiledCostModel(prof), _read_json(timeline, "timeline"), str(timeline), client_ttft_p50,
+                        scale)
     if export_timeline is not None:
         terms = replace(terms, export_s=fit_export(_read_json(export_timeline, "export timeline")))
     prof["serving"] = terms.to_dict()

@@ -33,6 +33,10 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --serving-timeline: a `flowyard serve --timeline` trace of a policy that moves "
                         "requests between instances (e.g. distserve), to fit the time a source spends exporting "
                         "each moved request's KV (serving.fit_export; the simulator charges it per move)")
+    p.add_argument("--serving-scale", type=float, default=None, metavar="X",
+                   help="with --serving-timeline: hold the scale at X and fit only the per-row and per-step "
+                        "terms (1 for instances that take turns on one thread, `serve` without --ray; "
+                        "default: fitted)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -43,9 +47,11 @@ def cmd_fit_serving(args: argparse.Namespace) -> int:
     if args.base is None:
         raise ValueError("--serving-timeline needs --from PROFILE: the profile the served engine ran with")
     check_output_path(args.out, "--out")
+    if args.serving_scale is not None and not args.serving_scale > 0:
+        raise ValueError(f"--serving-scale must be a positive number, got {args.serving_scale:g}")
     ttft = args.client_ttft_ms / 1e3 if args.client_ttft_ms is not None else None
     t = fit_serving_files(args.base, args.serving_timeline, args.out, client_ttft_p50=ttft,
-                          export_timeline=args.export_timeline)
+                          export_timeline=args.export_timeline, scale=args.serving_scale)
     print(f"served step = {t.scale:.3f} x profiled price + {t.row_s * 1e3:.3f} ms per sampled row "
           f"+ {t.step_s * 1e3:.3f} ms per step; frontend {t.frontend_s * 1e3:.1f} ms; KV export "
           f"{t.export_s * 1e3:.1f} ms a move "
@@ -57,8 +63,8 @@ def cmd_fit_serving(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.serving_timeline is not None:
         return cmd_fit_serving(args)
-    if args.export_timeline is not None:
-        raise ValueError("--export-timeline goes with --serving-timeline (the fit of a served profile)")
+    if args.export_timeline is not None or args.serving_scale is not None:
+        raise ValueError("--export-timeline and --serving-scale go with --serving-timeline (the fit of a served profile)")
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel
