@@ -150,4 +150,4 @@ def test_cli_holds_the_scale_when_asked_and_refuses_a_bad_one(tmp_path, capsys):
     assert main(args + ["--serving-scale", "0"]) != 0
     assert "--serving-scale must be a positive number" in capsys.readouterr().err
     assert main(["profile", "--serving-scale", "1", "--out", str(out)]) != 0
-    assert "go with --serving-timeline" in capsys.readouterr().err
+    assert "--serving-scale goes with --serving-timeline" in capsys.readouterr().err

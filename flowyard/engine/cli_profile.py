@@ -63,8 +63,9 @@ def cmd_fit_serving(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.serving_timeline is not None:
         return cmd_fit_serving(args)
-    if args.export_timeline is not None or args.serving_scale is not None:
-        raise ValueError("--export-timeline and --serving-scale go with --serving-timeline (the fit of a served profile)")
+    for flag, value in (("--export-timeline", args.export_timeline), ("--serving-scale", args.serving_scale)):
+        if value is not None:
+            raise ValueError(f"{flag} goes with --serving-timeline (the fit of a served profile)")
     import torch
 
     from flowyard.costmodel.profiled import ProfiledCostModel
