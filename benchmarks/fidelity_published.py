@@ -126,7 +126,8 @@ def report(out: Path) -> str:
         f"For each of the {len(fams)} source families ({', '.join(fams)}) the fitted terms are refitted "
         "without it and its points predicted with that fit. In-sample is the 'published' calibration "
         "(fitted on every non-serving point, and each profile's frontend latency on its lone-request "
-        "serving TTFTs) on the same points.",
+        "serving TTFTs) on the same points. A fold whose profile has no tensor-parallel step left fits "
+        "its all-reduce latency on that profile's burst TPOTs (every request sent at once, TP > 1).",
         "",
         "| | points | median abs. error | max abs. error | within 10 % | within 25 % |",
         "|---|---|---|---|---|---|",
