@@ -70,7 +70,10 @@ def serving_note(meta: dict) -> list[str]:
            f"{sv['scale']:.3f} × the profile's price"
            + (" (held: the instances take turns on one thread)" if sv["scale"] == serving_scale(ex) else "")
            + f" + {sv['row_s'] * 1e3:.2f} ms per sampled row + "
-           f"{sv['step_s'] * 1e3:.2f} ms per step, frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
+           f"{sv['step_s'] * 1e3:.2f} ms per step"
+           + (f" (its last {sv['gap_s'] * 1e3:.1f} ms, the median gap to the next step, is the serving loop, after "
+              "the step's tokens)" if sv.get("gap_s") else "")
+           + f", frontend {sv['frontend_s'] * 1e3:.1f} ms; median |step error| "
            f"{sv['median_error_before']:.0%} → {sv['median_error_after']:.0%} on those steps"
            + (f"; a moved request's KV costs its source {sv['export_s'] * 1e3:.1f} ms before its next step (fitted "
               f"on the timeline `{Path(sv['export_fitted_on']).name}`, a served run whose requests move)"

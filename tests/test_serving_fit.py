@@ -151,3 +151,34 @@ def test_cli_holds_the_scale_when_asked_and_refuses_a_bad_one(tmp_path, capsys):
     assert "--serving-scale must be a positive number" in capsys.readouterr().err
     assert main(["profile", "--serving-scale", "1", "--out", str(out)]) != 0
     assert "--serving-scale goes with --serving-timeline" in capsys.readouterr().err
+
+
+def test_the_fit_reads_the_loops_gap_and_the_simulator_ends_steps_before_it():
+    """A served step is its kernels and then the loop before the next step: the fit takes the
+    median busy gap from the timeline, and the simulator keeps the instance busy through it
+    while the step's tokens (and the time a policy measures) end where the gap begins."""
+    served = ProfiledCostModel(_profile({"scale": 1.2, "row_s": 1e-3}))
+    trace = _served_timeline(served)
+    whole = fit_serving(ProfiledCostModel(_profile()), trace, fitted_on="sim")
+    assert whole.gap_s == 0.0  # the simulated run has no gap between steps
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "step":
+            e["dur"] -= 3000  # the last 3 ms of each step become a gap before the next
+    split = fit_serving(ProfiledCostModel(_profile()), trace, fitted_on="sim")
+    assert split.gap_s == pytest.approx(3e-3, abs=1e-6)
+    assert split.median_error_after < 0.05  # step + gap is still what the terms price
+
+    gapped = ProfiledCostModel(_profile({"scale": 1.2, "row_s": 1e-3, "gap_s": 4e-3}))
+    link = Link(1e12)
+    runs = {}
+    for name, cost in (("plain", served), ("gapped", gapped)):
+        req = Request(id=0, arrival=0.0, prompt_len=200, output_len=5)
+        tl = Timeline()
+        res = Simulator([req], build_policy("vllm", PolicyOptions(num_instances=1, predictor=cost)), cost,
+                        Topology(1, link, link), timeline=tl).run()
+        runs[name] = (res.states[0], tl.steps)
+    (p_st, p_steps), (g_st, g_steps) = runs["plain"], runs["gapped"]
+    assert [s[1:3] for s in g_steps] == [s[1:3] for s in p_steps]  # the instance is busy just as long
+    assert p_st.first_token_time == pytest.approx(p_steps[0][2])
+    assert g_st.first_token_time == pytest.approx(g_steps[0][2] - 4e-3)  # its token exists before the loop
+    assert g_st.finish_time == pytest.approx(p_st.finish_time - 4e-3)

@@ -58,6 +58,13 @@ class CostModel(ABC):
         emulates an executor that pays it."""
         return 0.0
 
+    def step_gap(self) -> Seconds:
+        """The share of `step_time` that falls after the step's tokens exist: the serving
+        loop between one step's end and the next step's start (streaming, scheduling). The
+        instance is busy through it, but a policy that times its steps (DynaServe's online
+        profile) sees the step end before it, as on a real engine. 0 unless emulated."""
+        return 0.0
+
     def op_times(self, shape: BatchShape) -> dict[str, Seconds]:
         """Whole-step time per operator (layer operators summed over all layers)."""
         out = {k: v * self.num_layers for k, v in self.layer_op_times(shape).items()}
@@ -122,6 +129,9 @@ class ScaledCostModel(CostModel):
 
     def kv_export_time(self) -> Seconds:
         return self.base.kv_export_time()
+
+    def step_gap(self) -> Seconds:
+        return self.base.step_gap()
 
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()

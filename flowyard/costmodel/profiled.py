@@ -176,6 +176,9 @@ class ProfiledCostModel(CostModel):
     def kv_export_time(self) -> Seconds:
         return self.serving.export_s
 
+    def step_gap(self) -> Seconds:
+        return self.serving.gap_s
+
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
 

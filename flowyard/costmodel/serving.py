@@ -9,6 +9,7 @@ a profile may carry a `serving` block, fitted on one served run and then used fo
 
     served step = scale * profiled price + row_s * sampled rows + step_s
     client TTFT = server TTFT + frontend_s
+    the step's tokens exist gap_s before its served time ends (the loop after it)
     an instance a request's KV moves out of is busy export_s more before its next step
 
 The step includes the gap to the next step while the server is busy (the serving loop's
@@ -49,6 +50,7 @@ class ServingTerms:
     median_error_before: float = 0.0  # median |served / profiled - 1| over those steps
     median_error_after: float = 0.0  # ... and with these terms
     export_s: float = 0.0  # the source's time per request whose KV moves out (fit_export)
+    gap_s: float = 0.0  # median busy gap after a step: the loop's share of a served step
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServingTerms":
@@ -60,7 +62,7 @@ class ServingTerms:
             t = cls(**fields)
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed serving block {d}: {e}") from None
-        if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s, t.export_s) < 0:
+        if t.scale <= 0 or min(t.row_s, t.step_s, t.frontend_s, t.export_s, t.gap_s) < 0:
             raise ValueError(f"serving block needs scale > 0 and non-negative times, got {d}")
         return t
 
@@ -73,6 +75,7 @@ class ServedStep:
     shape: BatchShape
     seconds: float  # the step plus the busy gap after it
     rows: int  # rows that sampled a token
+    gap: float = 0.0  # that busy gap (0 when the server then had nothing to run)
 
 
 def served_steps(trace: dict | list) -> list[ServedStep]:
@@ -93,9 +96,9 @@ def served_steps(trace: dict | list) -> list[ServedStep]:
         if "shape" not in a or int(a.get("steps", 1)) != 1 or "preempted" in e.get("name", ""):
             continue
         gap = (nxt["ts"] - e["ts"] - e["dur"]) / 1e6 if nxt is not None else 1.0
-        sec = e["dur"] / 1e6 + (gap if 0 < gap < BUSY_GAP_S else 0.0)
+        busy = gap if 0 < gap < BUSY_GAP_S else 0.0
         shape = BatchShape(**a["shape"])
-        out.append(ServedStep(shape, sec, int(shape.prefill_seqs + shape.decode_seqs)))
+        out.append(ServedStep(shape, e["dur"] / 1e6 + busy, int(shape.prefill_seqs + shape.decode_seqs), busy))
     return out
 
 
@@ -138,8 +141,10 @@ def fit_serving(cost: CostModel, trace: dict | list, fitted_on: str,
     ttfts = server_ttfts(trace)
     server = statistics.median(ttfts) if ttfts else None
     frontend = max(0.0, client_ttft_p50 - server) if client_ttft_p50 is not None and server is not None else 0.0
+    gaps = [s.gap for s in steps if s.gap > 1e-6]  # a timeline's clock ticks in microseconds
     return ServingTerms(scale, row_s, step_s, frontend, fitted_on, len(steps),
-                        float(np.median(np.abs(real / price - 1))), float(np.median(np.abs(real / after - 1))))
+                        float(np.median(np.abs(real / price - 1))), float(np.median(np.abs(real / after - 1))),
+                        gap_s=float(np.median(gaps)) if gaps else 0.0)
 
 
 def _read_json(path: str | Path, what: str):

@@ -25,6 +25,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence, cast
 
+import numpy as np
+
 from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.cluster.index import Touched
 from flowyard.cluster.timeline import Timeline
@@ -84,6 +86,7 @@ class Simulator(SimTransport, StepExecution):
         # A request reaches the scheduler this long after its client sent it (its arrival):
         # the emulated stack's frontend, which the client's TTFT includes.
         self.frontend = cast(float, cost_model.frontend_latency())  # a scalar (Seconds may be an array)
+        self._gap = float(cost_model.step_gap())
         # An instance a request's KV moves out of is busy this long more (Ray's export to its
         # object store, fitted on a served timeline; 0 for executors that move KV for free).
         self._export_s = cast(float, cost_model.kv_export_time())
@@ -227,7 +230,10 @@ class Simulator(SimTransport, StepExecution):
         inst.account(steps)
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
-        result = inst.sched.update_from_output(plan, StepOutput(end_times=ends))
+        # the serving loop after each step (cost model's step_gap): the step's tokens, and the
+        # time a policy measures it took, end before the instance is free again
+        seen = np.maximum(ends - self._gap, inst.started) if self._gap else ends
+        result = inst.sched.update_from_output(plan, StepOutput(end_times=seen))
         inst.settle(self.now)
         self.kv_push.computed(inst.id, ends)
         self.end_turn(inst.id, True, None, self.now, (result,))
