@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from flowyard.cli import main
@@ -182,3 +183,22 @@ def test_the_fit_reads_the_loops_gap_and_the_simulator_ends_steps_before_it():
     assert p_st.first_token_time == pytest.approx(p_steps[0][2])
     assert g_st.first_token_time == pytest.approx(g_steps[0][2] - 4e-3)  # its token exists before the loop
     assert g_st.finish_time == pytest.approx(p_st.finish_time - 4e-3)
+
+
+def test_a_decode_run_committed_mid_way_keeps_the_gap_too():
+    """A request arriving while a multi-step decode run is in flight commits the run's finished
+    steps early (transport._sync): those steps' tokens come the loop's gap early as well."""
+    link = Link(1e12)
+    times = {}
+    for name, gap in (("plain", 0.0), ("gapped", 4e-3)):
+        cost = ProfiledCostModel(_profile({"scale": 1.2, "row_s": 1e-3, "gap_s": gap}))
+        reqs = [Request(id=0, arrival=0.0, prompt_len=64, output_len=60),
+                Request(id=1, arrival=0.05, prompt_len=64, output_len=3)]
+        tl = Timeline()
+        res = Simulator(reqs, build_policy("vllm", PolicyOptions(num_instances=1, predictor=cost)), cost,
+                        Topology(1, link, link), timeline=tl).run()
+        first = next(s for s in res.states if s.req.id == 0)
+        times[name] = np.concatenate(first.token_times)
+        if gap:
+            assert any(args["steps"] > 1 for *_, args in tl.steps)  # a decode run, committed in pieces
+    assert times["gapped"] == pytest.approx(times["plain"] - 4e-3)

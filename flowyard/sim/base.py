@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from flowyard.cluster.core import ClusterCore
 from flowyard.cluster.driver import InstanceDriver
 from flowyard.cluster.index import Touched
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.events import EventKind
-from flowyard.core.plan import StepPlan
+from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.request import RequestState
 from flowyard.costmodel.base import CostModel
 from flowyard.policies.framework.contracts import InstanceSnapshot, Role
@@ -50,10 +52,17 @@ class SimBase(InstanceDriver):
     preemption_blocking: list[float]
     _device_free: float  # when the step in flight ends (only `shared_device` waits for it)
     _export_s: float  # a moved request's KV export time on its source (CostModel.kv_export_time)
+    _gap: float  # the serving loop after each step (CostModel.step_gap)
     _by_role: dict[Role | None, list[int]]
     _snap_cache: dict[int, tuple[float, InstanceSnapshot]]
     _touched: Touched
     _recent: set[int]
+
+    def _output(self, inst: SimInstance, ends: np.ndarray) -> StepOutput:
+        """What `inst`'s scheduler is told steps ending at `ends` produced: each step's tokens,
+        and the time a policy measures it took, end `_gap` before the instance is free again
+        (the serving loop after it), never before the run started."""
+        return StepOutput(end_times=np.maximum(ends - self._gap, inst.started) if self._gap else ends)
 
     # provided by the parts (the simulator, its transport, its step execution)
     def _push(self, t: float, kind: int, payload: object) -> None:

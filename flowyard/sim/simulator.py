@@ -25,14 +25,12 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence, cast
 
-import numpy as np
-
 from flowyard.cluster.core import ClusterCore, DecisionLog
 from flowyard.cluster.index import Touched
 from flowyard.cluster.timeline import Timeline
 from flowyard.cluster.turns import Turns
 from flowyard.core.kvcache import KVCacheManager
-from flowyard.core.plan import StepOutput, StepPlan
+from flowyard.core.plan import StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import Request, RequestState, Status
 from flowyard.costmodel.base import CostModel
@@ -230,10 +228,7 @@ class Simulator(SimTransport, StepExecution):
         inst.account(steps)
         if self.on_step is not None:
             self.on_step(inst.id, plan, steps)
-        # the serving loop after each step (cost model's step_gap): the step's tokens, and the
-        # time a policy measures it took, end before the instance is free again
-        seen = np.maximum(ends - self._gap, inst.started) if self._gap else ends
-        result = inst.sched.update_from_output(plan, StepOutput(end_times=seen))
+        result = inst.sched.update_from_output(plan, self._output(inst, ends))
         inst.settle(self.now)
         self.kv_push.computed(inst.id, ends)
         self.end_turn(inst.id, True, None, self.now, (result,))

@@ -23,7 +23,6 @@ from typing import Callable
 import numpy as np
 
 from flowyard.cluster.index import RankedInstances
-from flowyard.core.plan import StepOutput
 from flowyard.core.request import RequestState
 from flowyard.policies.framework.contracts import InstanceSnapshot, LocalScheduler, Role
 from flowyard.sim.base import KV_DONE, SimBase, SimulationError
@@ -83,12 +82,13 @@ class SimTransport(SimBase):
             return
         done = int(np.searchsorted(ends, self.now, side="left"))
         if 0 < done < len(ends):
+            out = self._output(inst, ends[:done])  # while `started` is still the run's start
             if self.on_step is not None:
                 self.on_step(inst.id, inst.plan, done)
             if self.timeline is not None:
                 self.timeline.step(inst.id, inst.started, float(ends[done - 1]), inst.plan, done)
                 inst.started = float(ends[done - 1])
-            inst.sched.advance(inst.plan, StepOutput(end_times=ends[:done]))
+            inst.sched.advance(inst.plan, out)
             self._changed(inst)
             inst.set_ends(ends[done:])
             inst.account(done)
