@@ -78,20 +78,28 @@ class ServedStep:
     gap: float = 0.0  # that busy gap (0 when the server then had nothing to run)
 
 
-def served_steps(trace: dict | list) -> list[ServedStep]:
-    """Every single step of a Chrome-trace timeline that records its batch shape, with the gap
-    to the next step when that gap is short. Instances of one process share its thread, so
-    there the next step anywhere is what the gap delayed; where steps of different instances
-    overlap (Ray actors, one process each) it is the instance's own next step."""
+def _step_lanes(trace: dict | list) -> tuple[dict[Any, list[dict]], bool]:
+    """The timeline's steps, in time order, per lane, and whether steps of different instances
+    overlap. Instances of one process share its thread: one lane, where the next step anywhere
+    is what a gap delayed. Where steps overlap (Ray actors, one process each), a lane per
+    instance, whose own next step it is."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     steps = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "step"), key=lambda e: e["ts"])
     overlap = any(b["ts"] < a["ts"] + a["dur"] - 1e3 for a, b in zip(steps, steps[1:]))
-    nexts: list[dict | None] = []
-    for i, e in enumerate(steps):
-        later = (s for s in steps[i + 1:] if not overlap or s.get("pid") == e.get("pid"))
-        nexts.append(next(later, None))
+    lanes: dict[Any, list[dict]] = {}
+    for e in steps:
+        lanes.setdefault(e.get("pid") if overlap else None, []).append(e)
+    return lanes, overlap
+
+
+def served_steps(trace: dict | list) -> list[ServedStep]:
+    """Every single step of a Chrome-trace timeline that records its batch shape, with the gap
+    to the next step of its lane (`_step_lanes`) when that gap is short."""
+    lanes, _ = _step_lanes(trace)
+    pairs: list[tuple[dict, dict | None]] = [(e, nxt) for st in lanes.values() for e, nxt in zip(st, [*st[1:], None])]
+    pairs.sort(key=lambda p: p[0]["ts"])
     out = []
-    for e, nxt in zip(steps, nexts):
+    for e, nxt in pairs:
         a = e.get("args", {})
         if "shape" not in a or int(a.get("steps", 1)) != 1 or "preempted" in e.get("name", ""):
             continue
@@ -181,15 +189,11 @@ def fit_export(trace: dict | list, busy_gap_s: float = 0.1) -> float:
     the median busy gap that follows no move (the serving loop, which `step_s` already prices),
     summed over those gaps and divided by the moves in them. Where instances run steps at once
     (Ray actors) a gap is to the source's own next step; where they take turns on one thread
-    (one process) it is to the next step anywhere, as `served_steps` measures it."""
+    (one process) it is to the next step anywhere (`_step_lanes`, as `served_steps`)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "step"), key=lambda e: e["ts"])
     moves = [e for e in events if e.get("cat") == "decision" and e.get("name") in ("handoff", "decode", "migrate")
              and e.get("args", {}).get("src") is not None and e["args"].get("dst") != e["args"]["src"]]
-    overlap = any(b["ts"] < a["ts"] + a["dur"] - 1e3 for a, b in zip(steps, steps[1:]))
-    lanes: dict[Any, list[dict]] = {}
-    for e in steps:
-        lanes.setdefault(e.get("pid") if overlap else None, []).append(e)
+    lanes, overlap = _step_lanes(trace)
     after: list[tuple[float, int]] = []  # (busy gap in s, moves decided as the step before it ended)
     for lane, st in lanes.items():
         at = sorted(e["ts"] for e in moves if not overlap or e["args"]["src"] == lane)
