@@ -124,6 +124,37 @@ def test_stop_conditions_and_abort_free_kv(tiny):
     assert engine.abort("unknown") is None
 
 
+def test_warm_up_runs_a_prefill_past_the_small_gemv_rows_and_a_decode(tiny):
+    """A regression: warm-up ran a 4-token prompt, which never leaves the small-GEMV kernel, so
+    the first real prompt paid the GEMM path's one-time setup (a few times a decode step)."""
+    from flowyard.engine.gemv_kernel import MAX_ROWS
+
+    d, _ = tiny
+    engine = build(d)
+    shapes = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (shapes.append(plan.shape()), execute(plan))[1]
+    engine.warm_up()
+    assert max(int(s.prefill_tokens) for s in shapes) > MAX_ROWS
+    assert any(int(s.decode_seqs) and not int(s.prefill_tokens) for s in shapes)
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_an_engine_made_on_a_shared_model_keeps_its_packed_weights(tiny):
+    """A regression: every LLMEngine cast its model with .to(dtype), which drops PackedLinear's
+    oneDNN copies even at the same dtype, so each instance of a cluster repacked all weights
+    on its first batched step (served as a first step several times too long)."""
+    d, _ = tiny
+    a = build(d, dtype="bfloat16")
+    if not a.model.linear.available:
+        pytest.skip("no oneDNN bfloat16 linear on this CPU")
+    a.generate([PROMPTS[1]], GREEDY)
+    packed = dict(a.model.linear._cache)
+    assert packed
+    LLMEngine(a.model, a.tokenizer, EngineConfig(dtype="bfloat16"), instance=1)
+    assert a.model.linear._cache == packed
+
+
 def test_kv_export_import_continues_on_another_engine(tiny):
     """A request moved mid-decode (KV by block range) continues with identical tokens."""
     d, _ = tiny

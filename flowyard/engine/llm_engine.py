@@ -23,7 +23,7 @@ from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
 from flowyard.engine.model import LAYER_OPS, CausalLM, large_gemm_f32
-from flowyard.engine.gemv_kernel import gemv_bf16
+from flowyard.engine.gemv_kernel import MAX_ROWS as GEMV_MAX_ROWS, gemv_bf16
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
 from flowyard.engine.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig, default_token_budget, resolve_dtype
 from flowyard.engine.quant import quantize_model
@@ -80,7 +80,12 @@ class LLMEngine:
         self.model_name = name
         self.tokenizer = tokenizer
         self.dtype = DTYPES[resolve_dtype(config.dtype)]
-        self.model = quantize_model(model.to(self.dtype).eval(), config.quantization)
+        # .to() drops the packed-weight copies (PackedLinear) even when the dtype is already
+        # right, so an engine made on a cluster's shared model would repack every weight on its
+        # first batched step: convert only when the dtype differs
+        if model.embed.weight.dtype != self.dtype:
+            model = model.to(self.dtype)
+        self.model = quantize_model(model.eval(), config.quantization)
         # CPU bfloat16 outside `exact` mode (whose point is transformers' own oneDNN kernels):
         # large GEMMs in float32 where that is faster, and decode linears of 1 to 4 rows
         # through the gemv_bf16 C kernel where it compiled (it rounds once from float32).
@@ -371,9 +376,14 @@ class LLMEngine:
                 "decode": max(0.0, end - first), "inference": max(0.0, end - sched)}
 
     def warm_up(self) -> None:
-        """Run one tiny request through prefill and decode, so that the first client does not
-        pay for one-time work (oneDNN's weight packing, allocator growth); its KV is freed."""
-        self.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        """Run one short request through prefill and decode, so that the first client does not
+        pay for one-time work (oneDNN's weight packing, allocator growth); its KV is freed.
+        The prompt is longer than the small-GEMV kernel's rows: a prefill of at most that many
+        rows never reaches the GEMM path, and the first step that did (any real prompt) paid
+        several decode steps' worth of setup, which DynaServe's online profile then learned as
+        the instance's speed."""
+        prompt = [1 + i % 100 for i in range(4 * GEMV_MAX_ROWS)]
+        self.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
     # -- offline use -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:

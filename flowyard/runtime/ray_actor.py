@@ -38,6 +38,7 @@ class EngineActor(LockstepActor):
 
         torch.set_num_threads(max(1, config.threads or 1))
         self._base = LLMEngine.from_path(model, config)
+        self._base.warm_up()  # as `flowyard serve` warms its engine: the first client pays no setup
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="flowyard-instance")
         self._setup(config, instance, policy, t0, lockstep)
 
