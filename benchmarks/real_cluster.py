@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
+from real_cluster_speed import SpeedCheck, checked_point, row_speed  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -219,13 +220,14 @@ def main() -> None:
         ws = {name: replace(w, fixed_rate=kept[name]) if name in kept else w for name, w in ws.items()}
         # the fixed-rate point: the same trace prefix, --fixed-requests long, at the search's fixed rate
         fixed_ws = {name: fixed_workload(name, fixed_n, w.fixed_rate, slos, cost) for name, w in ws.items()}
+        check = SpeedCheck(prof_path, cfg.model, 1 if executor == "ray" else None)  # before every real point
         if args.fit_serving:  # a model of the served steps for the simulator's clock only
             fit_path = work / f"serving-{executor}.json"
             if not fit_path.exists():
                 print(f"fitting serving terms on {args.fit_serving} ...", file=sys.stderr, flush=True)
                 fw = make_workload(args.fit_serving, cfg.requests, slos, cost)
                 fit = fit_serving_run(fw, executor, prof_path, work / f"profile-{executor}-served.json", slos,
-                                      cfg.model, work)
+                                      cfg.model, work, check=check)
                 fit_path.write_text(json.dumps(fit))
             serving[executor] = json.loads(fit_path.read_text())
         if args.sim_only:
@@ -249,21 +251,28 @@ def main() -> None:
             # The servers' policies and the simulated ones predict with the plain profile; with
             # --fit-serving the simulator's clock also prices what serving adds to each step.
             pcost = ProfiledCostModel(str(pol_path))
-            clock = served_clock(pol_path, serving.get(executor), pcost)
+            fit, pcheck = serving.get(executor), check.against(pol_path)
             speed = machine_speed(pcost, cost)
             with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
                 for name, w in ws.items():
                     if (executor, policy, name) in have:
                         continue
                     shared = executor == "local"
-                    sim = sim_search(w, policy, clock, shared, pcost)
+                    sim = sim_search(w, policy, served_clock(pol_path, fit, pcost), shared, pcost)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
-                    real = search(lambda r: real_point(url, w, r, slos)["attainment"], guess, cfg.evals, policy)
+                    speeds: list[list[float]] = []  # [rate, the machine's speed right before it]
+                    real = search(lambda r: checked_point(pcheck, speeds, r, url, w, slos)["attainment"], guess,
+                                  cfg.evals, policy)
+                    row = {"real_speeds": speeds}
+                    if row_speed(row) != 1.0:  # the simulated search again, on the machine the real one ran on
+                        sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row)), shared, pcost)
                     fixed, fw = w.fixed_rate, fixed_ws[name]
-                    rp, sp = real_point(url, fw, fixed, slos), sim_point(fw, fixed, policy, clock, shared, pcost)
-                    rows.append({"executor": executor, "policy": policy, "workload": name,
+                    fixed_speed = pcheck()
+                    rp = real_point(url, fw, fixed, slos)
+                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed), shared, pcost)
+                    rows.append({**row, "executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
-                                 "real_curve": real.curve, "sim_curve": sim.curve,
+                                 "real_curve": real.curve, "sim_curve": sim.curve, "fixed_speed": fixed_speed,
                                  "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision(),
                                  "profile": pol_path.name, "step_price_vs_slo_profile": speed,
                                  "profile_age_min": round(age_min, 1), "sim_tol": SIM_TOL})

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from real_cluster_points import added_note
+from real_cluster_speed import speed_cell
 from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
 
 from flowyard.bench.loadgen import cap_lengths
@@ -130,9 +131,13 @@ def fixed_workload(name: str, n: int, rate: float, slos: EngineSLOs, cost) -> Re
     return replace(make_workload(name, n, slos, cost), fixed_rate=rate)
 
 
-def served_clock(profile: Path, fit: dict | None, plain):
+def served_clock(profile: Path, fit: dict | None, plain, speed: float = 1.0):
     """What clocks the simulator's steps: the profile with the executor's fitted serving terms
-    (`--fit-serving`), or the plain profile `plain` without a fit."""
+    (`--fit-serving`), or the plain profile `plain` without a fit; with the machine `speed`
+    times slower than the profile (real_cluster_speed), all of it scaled by that."""
+    from real_cluster_speed import at_speed
+
+    fit = at_speed(fit, speed)
     return ProfiledCostModel({**json.loads(profile.read_text()), "serving": fit}) if fit else plain
 
 
@@ -251,11 +256,16 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
               "\"Sim outside\" is how far the simulated goodput lies outside the real bracket: a lower bound on "
               "its error, 0 when it is inside. \"Profile\" is the age of the profile that row's simulation "
               "used when its real runs began, and, where it was made for that row (`--reprofile`), what its "
-              "steps cost relative to the profile the SLOs came from (above 1: the machine was slower then).", ""]
-    lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside", "profile"],
+              "steps cost relative to the profile the SLOs came from (above 1: the machine was slower then). "
+              "\"Machine\" is the machine's speed right before each of the row's real points, relative to "
+              "that profile (reference steps timed in the bench process while the server idled: "
+              "benchmarks/real_cluster_speed.py); the row's simulated search is clocked at their median and its "
+              "fixed-rate point at its own.", ""]
+    lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside", "profile",
+                           "machine"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", _span(*bracket(r)),
                             f"{r['sim_goodput']:.3f}", _pct(distance(r["sim_goodput"], *bracket(r))),
-                            _profile_cell(r)]
+                            _profile_cell(r), speed_cell(r)]
                            for r in rows]))
     lines += ["", "## Attainment curves", "",
               "Every rate each search tried (req/s: share of requests within both SLOs). With few requests a point "

@@ -15,6 +15,7 @@ from real_cluster_fit import export_timeline, serving_scale, with_export
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
+from real_cluster_speed import SpeedCheck, normalized, row_speed
 
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import source_revision
@@ -91,13 +92,16 @@ def refix(args) -> None:
         path = work / f"profile-{executor}.json"
         cost = ProfiledCostModel(str(path))
         slos = run_slos(meta, rows, executor, cost)
-        clock = served_clock(path, (meta.get("serving") or {}).get(executor), cost)
+        fit = (meta.get("serving") or {}).get(executor)
+        check = SpeedCheck(path, model, 1 if executor == "ray" else None)
         for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
             mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
             with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
+                    row["fixed_speed"] = check()
                     row["real"] = real_point(url, w, row["fixed_rate"], slos)
+                    clock = served_clock(path, fit, cost, row["fixed_speed"])
                     row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
@@ -120,10 +124,12 @@ def refit_serving(work: Path, executor: str, fit: dict) -> dict:
         sys.exit(f"real_cluster: --resim: the served-step fit's timeline {timeline} is missing")
     prof = json.loads((work / f"profile-{executor}.json").read_text())
     prof.pop("serving", None)
+    speed = fit.get("speed", 1.0)  # the machine's speed during the fit run, where it was measured
     terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"],
-                        scale=serving_scale(executor))
-    refit = {**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"], "refit_revision": source_revision()}
-    return with_export(refit, export_timeline(work, executor))
+                        scale=serving_scale(executor, speed))
+    refit = normalized({**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"] * speed}, speed)
+    return with_export({**refit, "refit_revision": source_revision()}, export_timeline(work, executor),
+                       fit.get("export_speed", 1.0))
 
 
 def resim(args) -> None:
@@ -158,13 +164,14 @@ def resim(args) -> None:
         w = workloads[executor, row["workload"]]
         path = work / row.get("profile", f"profile-{executor}.json")
         pcost = ProfiledCostModel(str(path))
-        clock = served_clock(path, serving.get(executor), pcost)
+        fit = serving.get(executor)
         before = row["sim_goodput"]
-        sim = sim_search(w, row["policy"], clock, executor == "local", pcost)
+        sim = sim_search(w, row["policy"], served_clock(path, fit, pcost, row_speed(row)), executor == "local", pcost)
         fixed = fixed_workload(row["workload"], meta.get("fixed_requests") or meta["requests_per_point"],
                                row["fixed_rate"], slos, slo_cost)
+        fixed_clock = served_clock(path, fit, pcost, row.get("fixed_speed", 1.0))
         row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL,
-                   sim=sim_point(fixed, row["fixed_rate"], row["policy"], clock, executor == "local", pcost))
+                   sim=sim_point(fixed, row["fixed_rate"], row["policy"], fixed_clock, executor == "local", pcost))
         print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "
               f"{sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
     (work / "rows.json").write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,150 @@
+"""The machine's speed right before each real point of a real-cluster run (issue 30).
+
+On the 2-core VM the engine's steps cost up to ~15 % more than its profile for minutes at a
+time: one probe of `vllm` served at 1.2 req/s ran its 300-400-token prefills at 1.15x their
+price one day and at 1.02x the next, with the same revision, profile, workload and rate, and
+its simulated TTFT P50 was 19 % and then 1 % off. A report's rows take half an hour and are
+priced by one profile made at its start, so the simulator was right or wrong by the hour.
+
+So right before each real point the bench process times a few reference steps through the
+engine's own step path (the profiler's `time_point` on a scratch runner of an engine it loads
+once, on the profile's thread count, while the server idles), and divides by what the profile
+measured for the same steps: the machine's speed then, relative to the profile (above 1:
+slower). The simulator's clock for that point is the profile, and its served-step terms,
+scaled by that speed. The check times no request of the point it scales, so the point remains
+a check of the simulator; the policies, the servers' and the simulated ones alike, still
+predict with the plain profile, as a deployed server would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from flowyard.core.plan import BatchShape
+from flowyard.engine.profiler import GridPoint, spread
+
+# A prefill long enough to leave the small-row kernels, a short one, a decode batch and a mixed
+# step: the kinds of step a served run is made of. Each is a point of the quick profile grid.
+REFERENCE = (GridPoint(prefill=[(0, 512)]), GridPoint(prefill=[(0, 128)]), GridPoint(decode=spread(1024, 4)),
+             GridPoint(prefill=[(0, 64)], decode=spread(256, 4)))
+TIMED_TERMS = ("scale", "row_s", "step_s", "frontend_s", "export_s", "gap_s")  # a served step's times
+
+
+def _step_seconds(times: dict[str, float], layers: int) -> float:
+    """A profiled step's seconds from its per-layer operator times and the rest of the step."""
+    return sum(v for k, v in times.items() if k != "step_other") * layers + times.get("step_other", 0.0)
+
+
+def profiled_reference(profile: dict) -> list[float]:
+    """What the profile measured for each REFERENCE step (the samples of the same shapes)."""
+    layers = int(profile["num_layers"])
+    by_shape = {json.dumps(s["shape"], sort_keys=True): s["times"] for s in profile["samples"]}
+    out = []
+    for p in REFERENCE:
+        key = json.dumps(asdict(BatchShape.of(p.prefill, p.decode)), sort_keys=True)
+        if key not in by_shape:
+            raise ValueError(f"the profile has no sample of the reference step {BatchShape.of(p.prefill, p.decode)}; "
+                             "make it with `flowyard profile --quick` (or the full grid)")
+        out.append(_step_seconds(by_shape[key], layers))
+    return out
+
+
+class SpeedCheck:
+    """Times REFERENCE on an engine loaded in this process (once, on first use) and returns the
+    geometric mean of measured over profiled, so each kind of step counts alike."""
+
+    def __init__(self, profile: Path, model: str | None = None, threads: int | None = None,
+                 repeats: int = 3) -> None:
+        prof = json.loads(Path(profile).read_text())
+        self.profiled = profiled_reference(prof)
+        self.layers = int(prof["num_layers"])
+        self.model, self.repeats = model, repeats
+        self.threads = threads or int(prof.get("machine", {}).get("threads") or 0) or None
+        self._runner = None
+
+    def against(self, profile: Path) -> "SpeedCheck":
+        """The same check (and engine) relative to another profile of the same engine."""
+        other = SpeedCheck(profile, self.model, self.threads, self.repeats)
+        other._runner = self._runner
+        return other
+
+    def _scratch(self):
+        if self._runner is None:
+            from flowyard.engine.engine_config import EngineConfig
+            from flowyard.engine.llm_engine import LLMEngine
+            from flowyard.engine.profiler import _blocks_needed, scratch_runner
+
+            engine = LLMEngine.from_path(self.model, EngineConfig())
+            engine.warm_up()
+            self._runner = scratch_runner(engine.runner, max(_blocks_needed(p, engine.runner.bs) for p in REFERENCE))
+        return self._runner
+
+    def measure(self) -> list[float]:
+        """Seconds of each REFERENCE step now (median of `repeats` after a warm-up run)."""
+        import torch
+
+        from flowyard.engine.profiler import time_point
+
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            runner = self._scratch()
+            return [_step_seconds(time_point(runner, p, self.repeats), self.layers) for p in REFERENCE]
+        finally:
+            torch.set_num_threads(before)
+
+    def __call__(self) -> float:
+        return speed_of(self.measure(), self.profiled)
+
+
+def speed_of(measured: list[float], profiled: list[float]) -> float:
+    """The geometric mean of measured / profiled over the reference steps, to three decimals."""
+    if len(measured) != len(profiled) or not measured or min(*measured, *profiled) <= 0:
+        raise ValueError(f"a speed needs positive times of the same steps, got {measured} and {profiled}")
+    return round(math.exp(statistics.fmean(math.log(m / p) for m, p in zip(measured, profiled))), 3)
+
+
+def at_speed(fit: dict | None, speed: float) -> dict | None:
+    """Served-step terms for a machine `speed` times slower than the profile: every time they
+    add, and the profile's price through `scale`, multiplied by it. None and speed 1: as given."""
+    if speed == 1.0:
+        return fit
+    if not speed > 0:
+        raise ValueError(f"a machine speed is positive, got {speed}")
+    base = dict(fit or {"scale": 1.0})
+    return {**base, **{k: float(base[k]) * speed for k in TIMED_TERMS if k in base}}
+
+
+def normalized(fit: dict, speed: float) -> dict:
+    """Terms fitted on a run during which the machine ran at `speed`, as they would be at the
+    profile's speed (at_speed's inverse); the speed is kept in the dict."""
+    return {**at_speed(fit, 1.0 / speed), "speed": speed} if speed != 1.0 else {**fit, "speed": speed}
+
+
+def row_speed(row: dict) -> float:
+    """The speed a row's simulated search is clocked at: the median over its real search's
+    points (1 for rows measured before speed checks)."""
+    speeds = [s for _, s in row.get("real_speeds") or []]
+    return statistics.median(speeds) if speeds else 1.0
+
+
+def checked_point(check, speeds: list, rate: float, url: str, w, slos) -> dict:
+    """A real point at `rate`, the machine's speed measured right before it (kept in `speeds`)."""
+    from real_cluster_lib import real_point
+
+    speeds.append([rate, check()])
+    return real_point(url, w, rate, slos)
+
+
+def speed_cell(row: dict) -> str:
+    """The machine's speeds during a row's real points, for the report ('—' before checks)."""
+    speeds = [s for _, s in row.get("real_speeds") or []] + ([row["fixed_speed"]] if "fixed_speed" in row else [])
+    if not speeds:
+        return "—"
+    lo, hi = min(speeds), max(speeds)
+    return f"{lo:.2f}×" if lo == hi else f"{lo:.2f}–{hi:.2f}×"

@@ -1,0 +1,116 @@
+"""The machine's speed before each real point (benchmarks/real_cluster_speed.py): what it
+measures, and how the simulator's clock, the served-step fit and --resim use it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+import real_cluster_lib as rc  # noqa: E402
+import real_cluster_speed as rs  # noqa: E402
+
+from flowyard.core.plan import BatchShape  # noqa: E402
+from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
+
+RUN = Path(__file__).parent.parent / "benchmarks/results/real_cluster_64"
+SHAPES = (BatchShape.chunk(0, 384), BatchShape(decode_seqs=4, decode_ctx=2000),
+          BatchShape.chunk(0, 64, decode_seqs=3, decode_ctx=900))
+
+
+def _profile() -> Path:
+    return RUN / "profile-local.json"
+
+
+def test_the_reference_steps_are_samples_of_a_quick_profile_and_a_missing_one_is_named(tmp_path):
+    prof = json.loads(_profile().read_text())
+    ref = rs.profiled_reference(prof)
+    assert len(ref) == len(rs.REFERENCE) and min(ref) > 0
+    assert ref[0] > ref[1]  # the 512-token prefill costs more than the 128-token one
+    prof["samples"] = [s for s in prof["samples"] if s["shape"]["prefill_tokens"] != 128]
+    with pytest.raises(ValueError, match="no sample of the reference step"):
+        rs.profiled_reference(prof)
+
+
+def test_speed_is_the_geometric_mean_of_measured_over_profiled():
+    assert rs.speed_of([2.0, 0.5], [1.0, 1.0]) == 1.0  # each kind of step counts alike
+    assert rs.speed_of([1.1, 2.2, 0.11], [1.0, 2.0, 0.1]) == 1.1
+    for bad in (([], []), ([1.0], [0.0]), ([1.0, 2.0], [1.0])):
+        with pytest.raises(ValueError, match="positive times"):
+            rs.speed_of(*bad)
+
+
+def test_the_clock_at_a_speed_prices_every_step_that_much_dearer_and_policies_keep_the_plain_profile():
+    plain = ProfiledCostModel(str(_profile()))
+    assert rc.served_clock(_profile(), None, plain) is plain  # no fit, speed 1: the plain profile itself
+    slow = rc.served_clock(_profile(), None, plain, 1.25)
+    fit = {"scale": 1.0, "row_s": 0.001, "step_s": 0.0005, "frontend_s": 0.01, "export_s": 0.002, "gap_s": 0.0004}
+    served, served_slow = rc.served_clock(_profile(), fit, plain), rc.served_clock(_profile(), fit, plain, 1.25)
+    for s in SHAPES:
+        assert float(slow.step_time(s)) == pytest.approx(1.25 * float(plain.step_time(s)), rel=1e-9)
+        assert float(served_slow.step_time(s)) == pytest.approx(1.25 * float(served.step_time(s)), rel=1e-9)
+    assert served_slow.frontend_latency() == pytest.approx(0.0125) and served_slow.kv_export_time() == pytest.approx(0.0025)
+    with pytest.raises(ValueError, match="positive"):
+        rs.at_speed(fit, 0.0)
+
+
+def test_terms_fitted_on_a_slow_run_are_stored_at_the_profiles_speed_and_scaled_back_per_point():
+    fit = {"scale": 1.1, "row_s": 0.0011, "step_s": 0.00055, "frontend_s": 0.011, "gap_s": 0.00044,
+           "workload": "conv-short", "steps": 40}
+    stored = rs.normalized(fit, 1.1)
+    assert stored["speed"] == 1.1 and stored["scale"] == pytest.approx(1.0) and stored["row_s"] == pytest.approx(0.001)
+    assert stored["workload"] == "conv-short" and stored["steps"] == 40  # not times: untouched
+    back = rs.at_speed(stored, 1.1)
+    assert all(back[k] == pytest.approx(fit[k]) for k in ("scale", "row_s", "step_s", "frontend_s", "gap_s"))
+
+
+def test_a_rows_simulated_search_runs_at_the_median_speed_of_its_real_points():
+    assert rs.row_speed({}) == 1.0  # rows measured before the checks: the profile's speed
+    assert rs.row_speed({"real_speeds": [[1.0, 1.02], [2.0, 1.20], [1.5, 1.05]]}) == 1.05
+    assert rs.speed_cell({}) == "—"
+    assert rs.speed_cell({"real_speeds": [[1.0, 1.02], [2.0, 1.2]], "fixed_speed": 0.98}) == "0.98–1.20×"
+
+
+def test_the_check_times_the_reference_steps_on_the_engine_the_profile_describes(tmp_path):
+    """On the embedded model: four positive step times, and a profile whose steps all took
+    twice as long reads the same measurement as half the speed."""
+    pytest.importorskip("gguf")
+    check = rs.SpeedCheck(_profile(), threads=1, repeats=1)
+    measured = check.measure()
+    assert len(measured) == 4 and min(measured) > 0 and measured[0] > measured[1]
+    prof = json.loads(_profile().read_text())
+    for sample in prof["samples"]:
+        sample["times"] = {k: 2 * v for k, v in sample["times"].items()}
+    (tmp_path / "slow.json").write_text(json.dumps(prof))
+    other = check.against(tmp_path / "slow.json")
+    assert other._runner is check._runner  # the same engine, loaded once
+    assert rs.speed_of(measured, other.profiled) == pytest.approx(rs.speed_of(measured, check.profiled) / 2, rel=0.01)
+
+
+def test_resim_clocks_each_row_at_its_recorded_speeds(tmp_path):
+    """A row whose real points ran on a machine 1.5x slower is simulated on that machine: its
+    simulated goodput falls and its fixed point's TTFT grows against the same row at speed 1."""
+    import real_cluster_more as more
+
+    (tmp_path / "profile-local.json").write_text(_profile().read_text())
+    point = {"attainment": 1.0, "ttft_p50": 1.0, "ttft_p90": 1.0, "tpot_p50": 1.0, "tpot_p90": 1.0, "completed": 3}
+    row = {"executor": "local", "policy": "vllm", "workload": "conv-mixed", "real_goodput": 1.0, "sim_goodput": 0.0,
+           "real_curve": [[1.0, 1.0], [2.0, 0.5]], "sim_curve": [], "fixed_rate": 0.5, "real": point, "sim": point,
+           "revision": "abc"}
+    rows = [row, {**row, "policy": "distserve"}, {**row, "real_speeds": [[1.0, 1.5], [2.0, 1.5]], "fixed_speed": 1.5},
+            {**row, "policy": "distserve", "real_speeds": [[1.0, 1.5], [2.0, 1.5]], "fixed_speed": 1.5}]
+    meta = {"slo_factor": 4.0, "machine": "x", "command": "c", "requests_per_point": 16, "fixed_requests": 8,
+            "slos": {"tpot_s": 0.1, "ttft_by_length": "0:1.03,512:2.51,1024:4.42"}}
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    more.resim(argparse.Namespace(work_dir=str(tmp_path), executors="local", out=str(tmp_path / "report.md")))
+    got = json.loads((tmp_path / "rows.json").read_text())
+    for fast, slow in ((got[0], got[2]), (got[1], got[3])):
+        assert 0 < slow["sim_goodput"] < fast["sim_goodput"]
+        assert slow["sim"]["ttft_p50"] > 1.3 * fast["sim"]["ttft_p50"]
+    assert "| 1.50× |" in (tmp_path / "report.md").read_text()
