@@ -211,3 +211,21 @@ def test_link_times(h100):
     assert kv_transfer_time(h100, 1000, nv, chunks=8) > t
     with pytest.raises(ValueError):
         Link(0.0, 0.0)
+
+
+def test_vidur_all_reduce_sizes_are_bytes_and_the_fitted_bus_bandwidth_fits_within_nvlink():
+    """Vidur's collective profiler writes `size` in bytes (element count x 2). Read as elements,
+    every message was twice its size and the fitted ring bus bandwidth exceeded what NVLink
+    carries in one direction (H100 1.56x, A100 1.15x): a physical impossibility for a ring."""
+    from flowyard.costmodel.calibrate import FAMILY_HW, find_profiles, fit_allreduce, load_allreduce, read_profile
+    from flowyard.costmodel.hardware import HARDWARE
+
+    for family, hw_name in FAMILY_HW.items():
+        (path,) = find_profiles(f"network_{family}_dgx_all_reduce")[:1]
+        sizes = {int(r["size"]) for r in read_profile(path)}
+        _, nbytes, _ = load_allreduce(family)
+        assert set(nbytes.astype(int)) <= sizes  # the column as written, not doubled
+        fitted, hw = fit_allreduce(family), HARDWARE[hw_name]
+        assert 0.3 < fitted["ar_eff"] < 1.0
+        assert hw.params.ar_eff == pytest.approx(fitted["ar_eff"], rel=0.01)  # the constants are this fit
+        assert hw.params.ar_latency_s == pytest.approx(fitted["ar_latency_s"], rel=0.05)

@@ -178,11 +178,14 @@ def fit_compute(family: str, directory: Path | None = None) -> dict[str, float]:
 
 
 def load_allreduce(family: str, directory: Path | None = None) -> tuple[np.ndarray, ...]:
-    """Intra-node NCCL all-reduce rows: (workers, bytes, seconds)."""
+    """Intra-node NCCL all-reduce rows: (workers, bytes, seconds). Vidur's collective profiler
+    writes `size` already in bytes (its fp16 element count times two, collectives_wrapper.py);
+    read as elements, every message was twice its size and the fitted bus bandwidth twice what
+    NVLink can carry (H100 702 GB/s, A100 345 GB/s, against 450 and 300 per direction)."""
     (path,) = find_profiles(f"network_{family}_dgx_all_reduce", directory)[:1]
     rows = [r for r in read_profile(path) if r["num_workers"] == r["devices_per_node"]]
     n = np.array([int(r["num_workers"]) for r in rows], dtype=float)
-    nbytes = np.array([int(r["size"]) * 2 for r in rows], dtype=float)
+    nbytes = np.array([int(r["size"]) for r in rows], dtype=float)
     secs = np.array([float(r["time_stats.all_reduce.median"]) for r in rows]) * 1e-3
     return n, nbytes, secs
 

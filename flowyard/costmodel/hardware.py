@@ -82,8 +82,8 @@ class RooflineParams:
 # of our composite ops (A100 / H100): qkv_proj 5.2 / 6.8 %, o_proj 7.0 / 5.7 %, gate_up_proj
 # 5.3 / 5.5 %, down_proj 5.7 / 9.0 %; p90 14-21 % (the max() misses the GEMM ridge and
 # cuBLAS's odd kernel choices, e.g. 2x slow gate_up at 256 tokens on H100). All-reduce 5.9 /
-# 6.7 %. ar_eff > 1: NCCL on NVSwitch beats the ring bound computed from per-direction NVLink
-# bandwidth (H100's NVLink SHARP reduces inside the switch).
+# 6.7 %. ar_eff is the bus bandwidth NCCL reached over per-direction NVLink bandwidth (Vidur
+# timed eager torch.distributed calls; its `size` column is bytes, calibrate.load_allreduce).
 # eff_attn: FlashAttention-2 causal forward, head dim 128, reaches 335 TFLOP/s on H100 SXM5 at
 # 16k (298 at 2k, 191 at 512) [Shah et al., FlashAttention-3, arXiv:2407.08608, Fig. 5];
 # 335/989 = 0.34, with attn_tile reproducing the drop at short lengths. On A100 FA2 reaches
@@ -92,10 +92,10 @@ class RooflineParams:
 # efficiency because paged KV reads are gathered block by block.
 A100_PARAMS = RooflineParams(
     eff_compute=0.695, eff_mem=0.777, gemm_fixed_s=9.2e-6, eff_elem=0.43, launch_s=2.3e-6,
-    eff_attn=0.6, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=1.15, ar_latency_s=48e-6)
+    eff_attn=0.6, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=0.576, ar_latency_s=48e-6)
 H100_PARAMS = RooflineParams(
     eff_compute=0.685, eff_mem=0.886, gemm_fixed_s=8.3e-6, eff_elem=0.458, launch_s=1.85e-6,
-    eff_attn=0.34, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=1.56, ar_latency_s=29e-6)
+    eff_attn=0.34, attn_tile=128.0, eff_attn_mem=0.7, ar_eff=0.781, ar_latency_s=29e-6)
 # 2-core CPU running the engine in float32 (PyTorch): measured on the dev VM (AMD EPYC Zen 4,
 # 2 vCPU): numpy sgemm 2048^3 at 68 GFLOP/s, fp32 GEMV at 7.4 GB/s; ~10 us per torch op.
 CPU_PARAMS = RooflineParams(
