@@ -83,7 +83,8 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_64_short.md": (_real_cluster, "s64-"),
     "docs/results/real_cluster_64_short_ray.md": (_real_cluster, "s64-ray-"),
     # the third workload: BurstGPT's arrivals, prompts up to 1.5 k tokens
-    "docs/results/real_cluster_burst.md": (_real_cluster, "burst-")}
+    "docs/results/real_cluster_burst.md": (_real_cluster, "burst-"),
+    "docs/results/real_cluster_burst_ray.md": (_real_cluster, "burst-ray-")}
 
 
 def values(results: Path) -> dict[str, str]:
