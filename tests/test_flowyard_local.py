@@ -58,10 +58,11 @@ def cost():
     # issue 27 (revision f89a510: 1.086 ms per step, 13.05 us + 3.046 us/layer per sequence,
     # 14.95 us per attention kernel);
     # pinned to them so the tests keep checking the decisions, not today's default host cost
-    # (the vllm-v1 engine profile, fitted on published points, is near zero).
+    # (the vllm-v1 engine profile, fitted on published points, is near zero), and to the
+    # all-reduce bandwidth they were sized on (ar_eff before the byte-size fix, 0478c08).
     return make_cost_model("qwen2.5-32b", "h800", tp=2, step_overhead_s=1.086e-3,
                            seq_overhead_s=1.305e-05, seq_overhead_layer_s=3.046e-06,
-                           attn_fixed_s=1.495e-05)
+                           attn_fixed_s=1.495e-05, ar_eff=1.56)
 
 
 def _serve_burst(cost, shed: bool) -> list[bool]:
