@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from flowyard.core.plan import BatchShape
-from flowyard.costmodel.base import LAYER_OPS
+from flowyard.engine.profiler import step_seconds
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.provenance import machine
 from flowyard.experiments.report import md_table, source_revision
@@ -54,7 +54,7 @@ def errors(quick: dict, shapes: list[dict], num_layers: int) -> dict[str, dict[s
         for s in shapes:
             sh = BatchShape(**s["shape"])
             attn.append(float(m.layer_op_times(sh)["attn"]) / s["times"]["attn"] - 1)
-            real = num_layers * sum(s["times"][op] for op in LAYER_OPS) + s["times"]["step_other"]
+            real = step_seconds(s["times"], num_layers)
             step.append(float(m.step_time(sh)) / (real + m.engine_overhead) - 1)
         out[name] = {"attn": np.array(attn), "step": np.array(step)}
     return out

@@ -127,9 +127,9 @@ def refit_serving(work: Path, executor: str, fit: dict) -> dict:
     speed = fit.get("speed", 1.0)  # the machine's speed during the fit run, where it was measured
     terms = fit_serving(ProfiledCostModel(prof), json.loads(timeline.read_text()), fit["fitted_on"],
                         scale=serving_scale(executor, speed))
-    refit = normalized({**fit, **terms.to_dict(), "frontend_s": fit["frontend_s"] * speed}, speed)
-    return with_export({**refit, "refit_revision": source_revision()}, export_timeline(work, executor),
-                       fit.get("export_speed", 1.0))
+    refit = {**normalized({**fit, **terms.to_dict()}, speed), "frontend_s": fit["frontend_s"],  # stored normalized
+             "refit_revision": source_revision()}
+    return with_export(refit, export_timeline(work, executor), fit.get("export_speed", 1.0))
 
 
 def resim(args) -> None:

@@ -25,18 +25,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from flowyard.core.plan import BatchShape
-from flowyard.engine.profiler import GridPoint, spread
+from flowyard.engine.profiler import GridPoint, spread, step_seconds
 
 # A prefill long enough to leave the small-row kernels, a short one, a decode batch and a mixed
 # step: the kinds of step a served run is made of. Each is a point of the quick profile grid.
 REFERENCE = (GridPoint(prefill=[(0, 512)]), GridPoint(prefill=[(0, 128)]), GridPoint(decode=spread(1024, 4)),
              GridPoint(prefill=[(0, 64)], decode=spread(256, 4)))
 TIMED_TERMS = ("scale", "row_s", "step_s", "frontend_s", "export_s", "gap_s")  # a served step's times
-
-
-def _step_seconds(times: dict[str, float], layers: int) -> float:
-    """A profiled step's seconds from its per-layer operator times and the rest of the step."""
-    return sum(v for k, v in times.items() if k != "step_other") * layers + times.get("step_other", 0.0)
 
 
 def profiled_reference(profile: dict) -> list[float]:
@@ -49,7 +44,7 @@ def profiled_reference(profile: dict) -> list[float]:
         if key not in by_shape:
             raise ValueError(f"the profile has no sample of the reference step {BatchShape.of(p.prefill, p.decode)}; "
                              "make it with `flowyard profile --quick` (or the full grid)")
-        out.append(_step_seconds(by_shape[key], layers))
+        out.append(step_seconds(by_shape[key], layers))
     return out
 
 
@@ -94,7 +89,7 @@ class SpeedCheck:
             torch.set_num_threads(self.threads)
         try:
             runner = self._scratch()
-            return [_step_seconds(time_point(runner, p, self.repeats), self.layers) for p in REFERENCE]
+            return [step_seconds(time_point(runner, p, self.repeats), self.layers) for p in REFERENCE]
         finally:
             torch.set_num_threads(before)
 
@@ -123,7 +118,7 @@ def at_speed(fit: dict | None, speed: float) -> dict | None:
 def normalized(fit: dict, speed: float) -> dict:
     """Terms fitted on a run during which the machine ran at `speed`, as they would be at the
     profile's speed (at_speed's inverse); the speed is kept in the dict."""
-    return {**at_speed(fit, 1.0 / speed), "speed": speed} if speed != 1.0 else {**fit, "speed": speed}
+    return {**at_speed(fit, 1.0 / speed), "speed": speed}
 
 
 def row_speed(row: dict) -> float:

@@ -133,6 +133,12 @@ def time_point(runner: ModelRunner, point: GridPoint, repeats: int = 3) -> dict[
     return {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
 
 
+def step_seconds(times: dict[str, float], num_layers: int) -> float:
+    """A whole step's seconds from `time_point`'s per-layer operator times and the rest of the
+    step (a profile sample's `times`)."""
+    return sum(times[op] for op in LAYER_OPS) * num_layers + times["step_other"]
+
+
 def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, repeats: int = 3,
                 name: str = "model", progress=None, passes: int = 1) -> dict:
     """Time every grid point on a scratch copy of `runner` (an engine's `runner`: the profile
