@@ -71,11 +71,11 @@ class SpeedCheck:
         if self._runner is None:
             from flowyard.engine.engine_config import EngineConfig
             from flowyard.engine.llm_engine import LLMEngine
-            from flowyard.engine.profiler import _blocks_needed, scratch_runner
+            from flowyard.engine.profiler import point_blocks, scratch_runner
 
             engine = LLMEngine.from_path(self.model, EngineConfig())
             engine.warm_up()
-            self._runner = scratch_runner(engine.runner, max(_blocks_needed(p, engine.runner.bs) for p in REFERENCE))
+            self._runner = scratch_runner(engine.runner, max(point_blocks(p, engine.runner.bs) for p in REFERENCE))
         return self._runner
 
     def measure(self) -> list[float]:

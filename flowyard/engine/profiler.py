@@ -71,7 +71,9 @@ def scratch_runner(runner: ModelRunner, num_blocks: int) -> ModelRunner:
                        grouped_decode=runner.grouped_decode, paged_decode=runner.paged_decode)
 
 
-def _blocks_needed(point: GridPoint, block_size: int) -> int:
+def point_blocks(point: GridPoint, block_size: int) -> int:
+    """KV blocks a grid point's plan allocates: a scratch runner sized for a grid holds any of
+    its points without evicting."""
     return sum(cdiv(h + n, block_size) for h, n in point.prefill) + sum(cdiv(c, block_size) for c in point.decode)
 
 
@@ -155,7 +157,7 @@ def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, rep
     limit = model.rope.cos.shape[0]  # positions the model supports
     grid = [p for p in (grid or default_grid())
             if all(h + n <= limit for h, n in p.prefill) and all(c <= limit for c in p.decode)]
-    scratch = scratch_runner(runner, max(_blocks_needed(p, runner.bs) for p in grid))
+    scratch = scratch_runner(runner, max(point_blocks(p, runner.bs) for p in grid))
     runs: list[list[dict[str, float]]] = [[] for _ in grid]
     for k in range(passes):
         for i, point in enumerate(grid):
