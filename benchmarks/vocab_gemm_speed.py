@@ -28,7 +28,7 @@ from flowyard.engine.loader import load_checkpoint
 from flowyard.engine.model import CausalLM
 from flowyard.engine.sampling import SamplingParams
 
-ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64)  # 64: past vocab_gemm.MAX_ROWS, for comparison
 STREAMS = (1, 3, 8, 16)
 
 

@@ -2,7 +2,7 @@
 
 A decode step's lm_head multiplies a few rows (one per sampled sequence) by the vocabulary
 matrix (SmolLM2: 49,152 x 576, 113 MB in float32), so it is bound by reading that matrix once.
-On some CPUs MKL's float32 GEMM for `F.linear`'s layout (x @ W^T, 2 to 64 rows) reads it several
+On some CPUs MKL's float32 GEMM for `F.linear`'s layout (x @ W^T, 2 to 32 rows) reads it several
 times over: on the 2-core AVX2 VM (EPYC, no AVX-512) 2 rows cost twice one row and 3 rows
 three times (benchmarks/vocab_gemm_speed.py), so every decode step of a batch paid for its lm_head
 as if the weight were read once per row, and the step's cost jumped with the batch size in a
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_OUT = 16_384  # output features from which a weight counts as a vocabulary projection
-MAX_ROWS = 64  # rows up to which W @ x^T is used
+MAX_ROWS = 32  # rows up to which W @ x^T is used (at 64 F.linear was as fast or faster)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
