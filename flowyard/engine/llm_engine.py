@@ -22,7 +22,7 @@ from flowyard.core.kvcache import KVCacheManager
 from flowyard.core.plan import StepOutput, StepPlan
 from flowyard.core.prefix_cache import PrefixCachingKVManager
 from flowyard.core.request import SLO, NO_SLO, Request, RequestState
-from flowyard.engine import vocab_gemm
+from flowyard.engine import skinny_gemm
 from flowyard.engine.model import LAYER_OPS, CausalLM, large_gemm_f32
 from flowyard.engine.gemv_kernel import MAX_ROWS as GEMV_MAX_ROWS, gemv_bf16
 from flowyard.engine.preemption import ExecutionPool, PreemptionStats
@@ -94,11 +94,11 @@ class LLMEngine:
                      and self.model.embed.weight.device.type == "cpu")
         self.model.linear.large_f32 = fast_bf16 and large_gemm_f32()
         self.model.linear.small_gemv = fast_bf16 and gemv_bf16.available()
-        # float32 on the CPU: the lm_head's few decode rows as W @ x^T where MKL's x @ W^T
-        # reads the vocabulary matrix once per row (engine/vocab_gemm.py)
-        self.model.linear.vocab_mm = (config.attention != "exact" and self.dtype == torch.float32
-                                      and self.model.embed.weight.device.type == "cpu"
-                                      and vocab_gemm.transposed_faster())
+        # float32 on the CPU: decode linears of a few rows as W @ x^T where MKL's x @ W^T
+        # reads each weight several times over (engine/skinny_gemm.py)
+        self.model.linear.skinny_mm = (config.attention != "exact" and self.dtype == torch.float32
+                                       and self.model.embed.weight.device.type == "cpu"
+                                       and skinny_gemm.transposed_faster())
         cfg = model.cfg
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize

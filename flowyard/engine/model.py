@@ -21,7 +21,7 @@ from torch import nn
 
 from flowyard.engine.attention import AttentionBatch, paged_attention, write_kv
 from flowyard.engine.config import ModelConfig
-from flowyard.engine import vocab_gemm
+from flowyard.engine import skinny_gemm
 from flowyard.engine.gemv_kernel import gemv_bf16
 
 LAYER_OPS = ("qkv_proj", "attn", "o_proj", "gate_up_proj", "down_proj")
@@ -97,9 +97,9 @@ class PackedLinear:
         self.large_f32 = False
         # Set by the engine (not in `exact` mode): bf16 calls of 1..4 rows use gemv_bf16.
         self.small_gemv = False
-        # Set by the engine (not in `exact` mode): float32 vocabulary projections of a few
-        # rows run as W @ x^T where that measured faster (engine/vocab_gemm.py).
-        self.vocab_mm = False
+        # Set by the engine (not in `exact` mode): float32 calls of a few rows run as W @ x^T
+        # where that measured faster (engine/skinny_gemm.py).
+        self.skinny_mm = False
 
     def clear(self) -> None:
         self._cache.clear()
@@ -107,8 +107,8 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.small_gemv and gemv_bf16.supports(x, weight, bias):
             return gemv_bf16(x, weight, bias)
-        if self.vocab_mm and vocab_gemm.supports(x, weight):
-            return vocab_gemm.linear(x, weight, bias)
+        if self.skinny_mm and skinny_gemm.supports(x, weight):
+            return skinny_gemm.linear(x, weight, bias)
         if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
             return F.linear(x, weight, bias)
         if self.large_f32 and x.shape[0] >= F32_MIN_ROWS:

@@ -1,0 +1,60 @@
+"""float32 linears of a few rows as W @ x^T (CPU).
+
+A decode step multiplies a few rows (one per sequence) by every weight of the model, so its
+linears are bound by reading each weight once. On some CPUs MKL's float32 GEMM in `F.linear`'s
+layout (x @ W^T) reads a weight several times over when it has 2 to a few dozen rows: on the
+2-core AVX2 EPYC VM a 3-row product cost about three times a 1-row one, so a 3-stream decode
+step cost twice a 1-stream step and a step's cost jumped with its batch size in a way no smooth
+cost model follows. The same product as W @ x^T (a tall GEMM with a skinny right side) streams
+each weight once. Which layout is faster is measured once per process, since CPU flags alone
+do not tell; FLOWYARD_SKINNY_GEMM=linear|mm decides instead. The sums are float32 either way,
+only their order differs (last-bit differences). Measured in benchmarks/results/skinny_gemm.md
+(`python benchmarks/skinny_gemm_speed.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 32  # rows up to which W @ x^T is used (at 64 F.linear was as fast or faster)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float32 CPU call of 1 to MAX_ROWS rows."""
+    return (weight.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2
+            and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.device.type == "cpu" and not x.requires_grad)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed as (weight @ x^T)^T, contiguous."""
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+@functools.cache
+def transposed_faster() -> bool:
+    """Whether W @ x^T beats F.linear on a float32 product of 4 rows here (best of three
+    each way, on a 16,384 x 576 weight, larger than the caches: about 20 ms once per process)."""
+    forced = os.environ.get("FLOWYARD_SKINNY_GEMM", "auto")
+    if forced not in ("auto", "linear", "mm"):
+        raise ValueError(f"FLOWYARD_SKINNY_GEMM must be auto, linear or mm, got {forced!r}")
+    if forced != "auto":
+        return forced == "mm"
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16_384, 576, generator=gen), torch.randn(4, 576, generator=gen)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(4):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+
+    return best(lambda: linear(x, w)) < 0.8 * best(lambda: F.linear(x, w))
