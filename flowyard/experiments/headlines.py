@@ -84,7 +84,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_64_short_ray.md": (_real_cluster, "s64-ray-"),
     # the third workload: BurstGPT's arrivals, prompts up to 1.5 k tokens
     "docs/results/real_cluster_burst.md": (_real_cluster, "burst-"),
-    "docs/results/real_cluster_burst_ray.md": (_real_cluster, "burst-ray-")}
+    "docs/results/real_cluster_burst_ray.md": (_real_cluster, "burst-ray-"),
+    # another host: a Zen 3 EPYC without bfloat16 (the engine runs float32 there)
+    "docs/results/real_cluster_conv_mixed_zen3.md": (_real_cluster, "zen3-")}
 
 
 def values(results: Path) -> dict[str, str]:
