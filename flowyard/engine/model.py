@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from typing import Generator, Iterator
 
 import torch
@@ -56,17 +55,8 @@ def large_gemm_f32() -> bool:
         return forced == "f32"
     x, w = torch.randn(256, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(4):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times[1:])
-
-    bf16 = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    f32 = best(lambda: F.linear(x.float(), w.float()).bfloat16())
+    bf16 = skinny_gemm.best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    f32 = skinny_gemm.best_seconds(lambda: F.linear(x.float(), w.float()).bfloat16())
     return f32 < 0.8 * bf16
 
 
