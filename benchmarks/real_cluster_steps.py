@@ -42,19 +42,24 @@ from flowyard.costmodel.serving import server_ttfts
 from flowyard.experiments.report import md_table, source_revision
 
 
-def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
-    """(kind, seconds per step, prompt tokens, decodes, start) of every step in a served timeline."""
-    trace = json.loads(path.read_text())
+def steps_of(trace: dict | list) -> list[tuple[str, float, int, int, float]]:
+    """(kind, seconds, prompt tokens, decodes, start) of every step in a timeline's Chrome
+    trace, a decode run recorded as one event (the simulator's) spread into its steps."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     out = []
     for e in events:
         if e.get("ph") != "X" or e.get("tid") != 0 or e.get("pid", 0) >= 1_000_000:
             continue
         a = e["args"]
-        p, n = int(a.get("prefill_tokens", 0)), int(a.get("decode_seqs", 0))
-        kind = "mixed" if p and n else ("prefill" if p else "decode")
-        out.append((kind, e["dur"] / 1e6 / max(1, int(a.get("steps", 1))), p, n, e["ts"] / 1e6))
+        p, n, runs = int(a.get("prefill_tokens", 0)), int(a.get("decode_seqs", 0)), max(1, int(a.get("steps", 1)))
+        kind, dur = "mixed" if p and n else ("prefill" if p else "decode"), e["dur"] / 1e6 / runs
+        out += [(kind, dur, p, n, e["ts"] / 1e6 + j * dur) for j in range(runs)]
     return sorted(out, key=lambda s: s[4])
+
+
+def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
+    """`steps_of` a served timeline's file."""
+    return steps_of(json.loads(path.read_text()))
 
 
 def step_ratios(steps, cost, decode_ctx: float) -> dict[str, list[float]]:
@@ -71,10 +76,27 @@ def gaps_while_busy(steps) -> float:
     return sum(g for g in (b[0] - a[1] for a, b in zip(ends, ends[1:])) if 0 < g < 1.0)
 
 
-def sim_run(w, rate: float, policy: str, cost) -> tuple[dict, float]:
-    """The simulator's point of the in-process cluster at `rate`, and its busy seconds."""
+def kv_moves(path: Path) -> int:
+    """KV transfers in a served timeline."""
+    trace = json.loads(path.read_text())
+    return sum(1 for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kv")
+
+
+def step_mix(steps) -> dict[str, tuple[int, float, float, float]]:
+    """kind -> (steps, busy seconds, mean prompt tokens, mean decodes) of one run's steps."""
+    by: dict[str, list] = {}
+    for kind, dur, p, n, _ in steps:
+        by.setdefault(kind, []).append((dur, p, n))
+    return {k: (len(v), sum(d for d, _, _ in v), statistics.mean(p for _, p, _ in v),
+                statistics.mean(n for _, _, n in v)) for k, v in by.items()}
+
+
+def sim_run(w, rate: float, policy: str, cost) -> tuple[dict, float, list, int]:
+    """The simulator's point of the in-process cluster at `rate`: its numbers, busy seconds,
+    steps (as `real_steps`) and KV transfers."""
     tl = Timeline()
-    return sim_point(w, rate, policy, cost, True, timeline=tl), sum(end - start for _, start, end, _, _ in tl.steps)
+    point = sim_point(w, rate, policy, cost, True, timeline=tl)
+    return point, sum(end - start for _, start, end, _, _ in tl.steps), steps_of(tl.to_chrome()), len(tl.transfers)
 
 
 def _q(v: list[float], q: float) -> float:
@@ -108,9 +130,10 @@ def main() -> None:
     w = make_workload(args.workload, args.requests, slos, cost)
     reqs = w.workload.requests
     ctx = statistics.mean(r.prompt_len for r in reqs) + statistics.mean(r.target_output for r in reqs) / 2
-    started, rows, ratio_rows = time.time(), [], []
+    started, rows, ratio_rows, mix_rows = time.time(), [], [], []
     for rate in rates:
-        s, sim_busy = sim_run(w, rate, args.policy, cost)
+        s, sim_busy, simulated, sim_kv = sim_run(w, rate, args.policy, cost)
+        sim_mix = step_mix(simulated)
         for k in range(args.repeats):
             tl = work / f"timeline-{rate}-{k}.json"
             rp = timeline_point(Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log"), tl, w,
@@ -123,10 +146,16 @@ def main() -> None:
                          f"{rp['tpot_p50'] * 1e3:.0f} / {s['tpot_p50'] * 1e3:.0f}",
                          f"{rp['tpot_p90'] * 1e3:.0f} / {s['tpot_p90'] * 1e3:.0f}",
                          f"{sum(st[1] for st in steps):.1f} / {sim_busy:.1f}", f"{gaps_while_busy(steps):.2f}"])
+            real_mix = step_mix(steps)
+            for kind in sorted(set(real_mix) | set(sim_mix)):
+                r_, s_ = real_mix.get(kind, (0, 0.0, 0.0, 0.0)), sim_mix.get(kind, (0, 0.0, 0.0, 0.0))
+                mix_rows.append([f"{rate:g}", k + 1, kind, f"{r_[0]} / {s_[0]}", f"{r_[1]:.1f} / {s_[1]:.1f}",
+                                 f"{r_[2]:.0f} / {s_[2]:.0f}", f"{r_[3]:.2f} / {s_[3]:.2f}"])
+            mix_rows.append([f"{rate:g}", k + 1, "KV moves", f"{kv_moves(tl)} / {sim_kv}", "", "", ""])
             for kind, v in sorted(step_ratios(steps, cost, ctx).items()):
                 ratio_rows.append([f"{rate:g}", k + 1, kind, len(v), f"{statistics.median(v):.2f}",
                                    f"{_q(v, 0.1):.2f}", f"{_q(v, 0.9):.2f}"])
-            print(f"rate {rate:g} run {k + 1}: real attainment {rp['attainment']:.2f}, sim {s.slo_attainment:.2f}",
+            print(f"rate {rate:g} run {k + 1}: real attainment {rp['attainment']:.2f}, sim {s['attainment']:.2f}",
                   file=sys.stderr, flush=True)
     rev = source_revision()
     lines = [("" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n")
@@ -143,7 +172,10 @@ def main() -> None:
                        "busy s", "real s between steps"], rows), "",
              "## Step prices: real step duration / profile's price of its batch", "",
              f"Decodes priced at a context of {ctx:.0f} tokens (the workload's mean prompt plus half its mean output).",
-             "", md_table(["rate (req/s)", "run", "kind", "steps", "median", "P10", "P90"], ratio_rows)]
+             "", md_table(["rate (req/s)", "run", "kind", "steps", "median", "P10", "P90"], ratio_rows), "",
+             "## Steps run: real / simulated", "",
+             md_table(["rate (req/s)", "run", "kind", "steps", "busy s", "mean prompt tokens", "mean decodes"],
+                      mix_rows)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -159,12 +159,13 @@ def test_a_search_whose_guess_is_too_high_steps_down_and_still_brackets():
 
 
 def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
-    """real_cluster_steps.py reads the steps a server's --timeline recorded (decode runs counted
-    per step), prices each batch, and counts only short gaps as time between steps."""
+    """real_cluster_steps.py reads the steps a server's --timeline recorded (a decode run spread
+    into its steps), prices each batch, counts only short gaps as time between steps, and
+    tallies each kind of step."""
     import numpy as np
 
     from conftest import LinearCost
-    from real_cluster_steps import gaps_while_busy, real_steps, step_ratios
+    from real_cluster_steps import gaps_while_busy, real_steps, step_mix, step_ratios
 
     from flowyard.costmodel.serving import server_ttfts
 
@@ -183,8 +184,12 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     tl.write(tmp_path / "tl.json")
     assert server_ttfts(json.loads((tmp_path / "tl.json").read_text())) == [pytest.approx(0.5)]
     steps = real_steps(tmp_path / "tl.json")
-    assert [round(s[1], 6) for s in steps] == [0.5, 0.1, 0.1]
+    assert [round(s[1], 6) for s in steps] == [0.5, 0.1, 0.1, 0.1]
+    assert [round(s[4], 4) for s in steps] == [0.0, 0.5001, 0.6001, 5.0]
     assert gaps_while_busy(steps) == pytest.approx(1e-4, abs=1e-6)
+    mix = step_mix(steps)
+    assert mix["prefill"] == (1, pytest.approx(0.5), 100, 0) and mix["decode"][0] == 3
+    assert mix["decode"][1] == pytest.approx(0.3)
     ratios = step_ratios(steps, LinearCost(), decode_ctx=100.0)
     assert all(np.isfinite(v).all() and min(v) > 0 for v in ratios.values())
 
