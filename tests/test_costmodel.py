@@ -229,3 +229,22 @@ def test_vidur_all_reduce_sizes_are_bytes_and_the_fitted_bus_bandwidth_fits_with
         assert 0.3 < fitted["ar_eff"] < 1.0
         assert hw.params.ar_eff == pytest.approx(fitted["ar_eff"], rel=0.01)  # the constants are this fit
         assert hw.params.ar_latency_s == pytest.approx(fitted["ar_latency_s"], rel=0.05)
+
+
+def test_drifted_clock_scales_each_kind_of_step_by_its_own_factor():
+    """A machine that runs prompt-bearing steps 1.4x and decodes 1.1x its profile: every step,
+    its operators and a decode run's array of shapes are priced by their kind's factor; what
+    is not a time passes through."""
+    from flowyard.costmodel.base import DriftedCostModel
+
+    base = make_cost_model("llama-3-8b", "h100")
+    drift = DriftedCostModel(base, prefill=1.4, decode=1.1)
+    mixed, decode = BatchShape.of([(0, 512)], [300] * 4), BatchShape.of([], [300] * 4)
+    assert drift.step_time(mixed) == pytest.approx(1.4 * base.step_time(mixed))
+    assert drift.step_time(decode) == pytest.approx(1.1 * base.step_time(decode))
+    assert drift.op_boundaries(mixed)[-1] == pytest.approx(1.4 * base.op_boundaries(mixed)[-1])
+    run = BatchShape(decode_seqs=np.array([4, 4]), decode_ctx=np.array([1200.0, 1204.0]))
+    assert np.allclose(drift.step_time(run), 1.1 * np.asarray(base.step_time(run)))
+    assert drift.kv_capacity_tokens() == base.kv_capacity_tokens()
+    with pytest.raises(ValueError, match="positive"):
+        DriftedCostModel(base, prefill=0.0, decode=1.0)

@@ -372,3 +372,22 @@ def test_an_export_timeline_that_fits_nothing_is_reported_and_charges_nothing(tm
     got = rcf.with_export(fit, tl)
     assert got["export_s"] == 0.0 and "move" in got["export_unfitted"]
     assert "no KV export time" in capsys.readouterr().err
+
+
+def test_drift_sensitivity_reports_each_policy_under_a_drifted_clock(tiny, tmp_path, monkeypatch):
+    """drift_sensitivity.py simulates a policy with prompt-bearing steps slowed: a slower clock
+    never makes its TTFT shorter, and a malformed drift is refused with what is wrong."""
+    import drift_sensitivity as ds
+
+    _, path, _ = tiny
+    out = tmp_path / "drift.md"
+    monkeypatch.setattr(sys, "argv", ["drift_sensitivity.py", "--profile", str(path), "--policies", "vllm",
+                                      "--rates", "0.5", "--drifts", "1/1,3/1", "--requests", "6", "--out", str(out)])
+    ds.main()
+    text = out.read_text()
+    ratio_row = [line for line in text.splitlines() if line.startswith("| `vllm`") and "×" in line][-1]
+    assert ratio_row.split("|")[2].strip() == "1.00×" and float(ratio_row.split("|")[3].strip()[:-1]) >= 1.0
+    assert ds.parse_drifts("1/1,1.2/1.05") == [(1.0, 1.0), (1.2, 1.05)]
+    for bad in ("1.2", "a/b", "0/1"):
+        with pytest.raises(ValueError, match="--drifts"):
+            ds.parse_drifts(bad)

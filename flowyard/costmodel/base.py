@@ -97,29 +97,28 @@ class CostModel(ABC):
         return float(self.step_time(BatchShape.of([(history, prompt_len)], [])))
 
 
-class ScaledCostModel(CostModel):
-    """A predictor that is wrong by a fixed factor: every time of `base` times `factor`.
+class WrappedCostModel(CostModel):
+    """Another cost model's times, each step's multiplied by `factor_of(shape)`; everything
+    that is not a time (KV sizes, capacity) passes through."""
 
-    Policies use a cost model as their predictor (TTFT-hat, batch latency). Handing them a
-    scaled copy while the simulator keeps the true one measures how robust a policy is to
-    prediction error (factor 1.2 = predictions 20 % too slow).
-    """
-
-    def __init__(self, base: CostModel, factor: float) -> None:
-        if not factor > 0:
-            raise ValueError(f"prediction error factor must be positive, got {factor}")
+    def __init__(self, base: CostModel) -> None:
         self.base = base
-        self.factor = factor
         self.num_layers = base.num_layers
 
+    @abstractmethod
+    def factor_of(self, shape: BatchShape) -> Seconds:
+        """The multiplier of this shape's times (an array for a decode run's shapes)."""
+
     def layer_op_times(self, shape: BatchShape) -> dict[str, Seconds]:
-        return {k: v * self.factor for k, v in self.base.layer_op_times(shape).items()}
+        f = self.factor_of(shape)
+        return {k: v * f for k, v in self.base.layer_op_times(shape).items()}
 
     def step_overhead(self, shape: BatchShape) -> dict[str, Seconds]:
-        return {k: v * self.factor for k, v in self.base.step_overhead(shape).items()}
+        f = self.factor_of(shape)
+        return {k: v * f for k, v in self.base.step_overhead(shape).items()}
 
     def step_time(self, shape: BatchShape) -> Seconds:
-        return self.base.step_time(shape) * self.factor
+        return self.base.step_time(shape) * self.factor_of(shape)
 
     def kv_bytes_per_token(self) -> int:
         return self.base.kv_bytes_per_token()
@@ -135,6 +134,47 @@ class ScaledCostModel(CostModel):
 
     def kv_capacity_tokens(self) -> int:
         return self.base.kv_capacity_tokens()
+
+
+class ScaledCostModel(WrappedCostModel):
+    """A predictor that is wrong by a fixed factor: every time of `base` times `factor`.
+
+    Policies use a cost model as their predictor (TTFT-hat, batch latency). Handing them a
+    scaled copy while the simulator keeps the true one measures how robust a policy is to
+    prediction error (factor 1.2 = predictions 20 % too slow).
+    """
+
+    def __init__(self, base: CostModel, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError(f"prediction error factor must be positive, got {factor}")
+        super().__init__(base)
+        self.factor = factor
+
+    def factor_of(self, shape: BatchShape) -> Seconds:
+        return self.factor
+
+
+class DriftedCostModel(WrappedCostModel):
+    """A machine that drifted from its profile by kind of step: steps with prompt tokens take
+    `prefill` times their price, decode-only steps `decode` times.
+
+    A profile is measured in one hour; a shared VM runs the same steps later at other speeds,
+    and not uniformly: its compute-bound steps (prompt tokens) slowed more than its bandwidth-
+    bound decodes (docs/results/real_cluster_steps_dynaserve_zen3.md). As the simulator's
+    clock, with the policies still predicting with the profile as a deployed server does, it
+    asks how a policy's result responds to such a machine (benchmarks/drift_sensitivity.py).
+    """
+
+    def __init__(self, base: CostModel, prefill: float, decode: float) -> None:
+        if not prefill > 0 or not decode > 0:
+            raise ValueError(f"drift factors must be positive, got prefill {prefill}, decode {decode}")
+        super().__init__(base)
+        self.prefill, self.decode = prefill, decode
+
+    def factor_of(self, shape: BatchShape) -> Seconds:
+        has_prompt = np.asarray(shape.prefill_tokens) > 0
+        return np.where(has_prompt, self.prefill, self.decode) if has_prompt.ndim else (
+            self.prefill if has_prompt else self.decode)
 
 
 def with_error(model: CostModel, factor: float) -> CostModel:
