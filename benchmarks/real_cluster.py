@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
-from real_cluster_speed import SpeedCheck, checked_point, row_speed  # noqa: E402
+from real_cluster_speed import SpeedCheck, checked_point, row_drift, row_speed  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -261,15 +261,19 @@ def main() -> None:
                     sim = sim_search(w, policy, served_clock(pol_path, fit, pcost), shared, pcost)
                     guess = sim.goodput if sim.goodput > 0 else w.guess
                     speeds: list[list[float]] = []  # [rate, the machine's speed right before it]
-                    real = search(lambda r: checked_point(pcheck, speeds, r, url, w, slos)["attainment"], guess,
-                                  cfg.evals, policy)
-                    row = {"real_speeds": speeds}
+                    drifts: list[list[float]] = []  # [rate, prompt steps' speed, decodes' speed]
+                    real = search(lambda r: checked_point(pcheck, speeds, r, url, w, slos, drifts)["attainment"],
+                                  guess, cfg.evals, policy)
+                    row = {"real_speeds": speeds, "real_drifts": drifts}
                     if row_speed(row) != 1.0:  # the simulated search again, on the machine the real one ran on
-                        sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row)), shared, pcost)
+                        sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row), row_drift(row)),
+                                         shared, pcost)
                     fixed, fw = w.fixed_rate, fixed_ws[name]
                     fixed_speed = pcheck()
+                    row["fixed_drift"] = pcheck.last_drift
                     rp = real_point(url, fw, fixed, slos)
-                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed), shared, pcost)
+                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed, pcheck.last_drift),
+                                   shared, pcost)
                     rows.append({**row, "executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve, "fixed_speed": fixed_speed,

@@ -22,6 +22,7 @@ from flowyard.bench.loadgen import cap_lengths
 from flowyard.bench.serve_bench import run_bench
 from flowyard.core.metrics import summarize
 from flowyard.core.plan import BatchShape
+from flowyard.costmodel.base import DriftedCostModel
 from flowyard.costmodel.link import Link
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import md_table, source_revision
@@ -131,12 +132,18 @@ def fixed_workload(name: str, n: int, rate: float, slos: EngineSLOs, cost) -> Re
     return replace(make_workload(name, n, slos, cost), fixed_rate=rate)
 
 
-def served_clock(profile: Path, fit: dict | None, plain, speed: float = 1.0):
+def served_clock(profile: Path, fit: dict | None, plain, speed: float = 1.0,
+                 drift: tuple[float, float] | list[float] | None = None):
     """What clocks the simulator's steps: the profile with the executor's fitted serving terms
     (`--fit-serving`), or the plain profile `plain` without a fit; with the machine `speed`
-    times slower than the profile (real_cluster_speed), all of it scaled by that."""
+    times slower than the profile (real_cluster_speed), all of it scaled by that. With a
+    `drift` (prompt-bearing steps' speed, decodes' speed) measured instead, everything runs at
+    the decodes' speed and prompt-bearing steps at theirs."""
     from real_cluster_speed import at_speed
 
+    if drift is not None:
+        prompt, decode = drift
+        return DriftedCostModel(served_clock(profile, fit, plain, decode), prompt / decode, 1.0)
     fit = at_speed(fit, speed)
     return ProfiledCostModel({**json.loads(profile.read_text()), "serving": fit}) if fit else plain
 
@@ -260,7 +267,9 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
               "\"Machine\" is the machine's speed right before each of the row's real points, relative to "
               "that profile (reference steps timed in the bench process while the server idled: "
               "benchmarks/real_cluster_speed.py); the row's simulated search is clocked at their median and its "
-              "fixed-rate point at its own.", ""]
+              "fixed-rate point at its own. Where the checks also timed each kind of step (\"p\" prompt-bearing "
+              "steps, \"d\" decodes: their medians over the row), the simulator's clock runs each kind at its "
+              "own speed.", ""]
     lines.append(md_table(["executor", "workload", "policy", "real (bracket)", "simulated", "sim outside", "profile",
                            "machine"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", _span(*bracket(r)),

@@ -15,7 +15,7 @@ from real_cluster_fit import export_timeline, serving_scale, with_export
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
-from real_cluster_speed import SpeedCheck, normalized, row_speed
+from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
 
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import source_revision
@@ -99,9 +99,9 @@ def refix(args) -> None:
             with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
-                    row["fixed_speed"] = check()
+                    row["fixed_speed"], row["fixed_drift"] = check(), check.last_drift
                     row["real"] = real_point(url, w, row["fixed_rate"], slos)
-                    clock = served_clock(path, fit, cost, row["fixed_speed"])
+                    clock = served_clock(path, fit, cost, row["fixed_speed"], row["fixed_drift"])
                     row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
@@ -166,10 +166,11 @@ def resim(args) -> None:
         pcost = ProfiledCostModel(str(path))
         fit = serving.get(executor)
         before = row["sim_goodput"]
-        sim = sim_search(w, row["policy"], served_clock(path, fit, pcost, row_speed(row)), executor == "local", pcost)
+        sim = sim_search(w, row["policy"], served_clock(path, fit, pcost, row_speed(row), row_drift(row)),
+                         executor == "local", pcost)
         fixed = fixed_workload(row["workload"], meta.get("fixed_requests") or meta["requests_per_point"],
                                row["fixed_rate"], slos, slo_cost)
-        fixed_clock = served_clock(path, fit, pcost, row.get("fixed_speed", 1.0))
+        fixed_clock = served_clock(path, fit, pcost, row.get("fixed_speed", 1.0), row.get("fixed_drift"))
         row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL,
                    sim=sim_point(fixed, row["fixed_rate"], row["policy"], fixed_clock, executor == "local", pcost))
         print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "

@@ -14,6 +14,12 @@ slower). The simulator's clock for that point is the profile, and its served-ste
 scaled by that speed. The check times no request of the point it scales, so the point remains
 a check of the simulator; the policies, the servers' and the simulated ones alike, still
 predict with the plain profile, as a deployed server would.
+
+The same check also gives the speed by kind of step (its `drift`): the prompt-bearing reference
+steps' speed and the decode step's. The VM does not slow all steps alike (compute-bound prompt
+steps more than bandwidth-bound decodes, docs/results/real_cluster_steps_dynaserve_zen3.md),
+and a policy whose budget follows measured step times turns that difference into its result
+(docs/results/drift_sensitivity.md), so the simulator's clock follows both.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from flowyard.engine.profiler import GridPoint, spread, step_seconds
 # step: the kinds of step a served run is made of. Each is a point of the quick profile grid.
 REFERENCE = (GridPoint(prefill=[(0, 512)]), GridPoint(prefill=[(0, 128)]), GridPoint(decode=spread(1024, 4)),
              GridPoint(prefill=[(0, 64)], decode=spread(256, 4)))
+DECODE_REFERENCE = 2  # REFERENCE's decode-only step; the others carry prompt tokens
 TIMED_TERMS = ("scale", "row_s", "step_s", "frontend_s", "export_s", "gap_s")  # a served step's times
 
 
@@ -60,6 +67,7 @@ class SpeedCheck:
         self.model, self.repeats = model, repeats
         self.threads = threads or int(prof.get("machine", {}).get("threads") or 0) or None
         self._runner = None
+        self.last_drift: tuple[float, float] | None = None  # (prompt steps, decodes) of the last call
 
     def against(self, profile: Path) -> "SpeedCheck":
         """The same check (and engine) relative to another profile of the same engine."""
@@ -94,7 +102,9 @@ class SpeedCheck:
             torch.set_num_threads(before)
 
     def __call__(self) -> float:
-        return speed_of(self.measure(), self.profiled)
+        measured = self.measure()
+        self.last_drift = drift_of(measured, self.profiled)
+        return speed_of(measured, self.profiled)
 
 
 def speed_of(measured: list[float], profiled: list[float]) -> float:
@@ -102,6 +112,22 @@ def speed_of(measured: list[float], profiled: list[float]) -> float:
     if len(measured) != len(profiled) or not measured or min(*measured, *profiled) <= 0:
         raise ValueError(f"a speed needs positive times of the same steps, got {measured} and {profiled}")
     return round(math.exp(statistics.fmean(math.log(m / p) for m, p in zip(measured, profiled))), 3)
+
+
+def drift_of(measured: list[float], profiled: list[float]) -> tuple[float, float]:
+    """(speed of the prompt-bearing reference steps, speed of the decode step), as `speed_of`."""
+    prompt = [i for i in range(len(REFERENCE)) if i != DECODE_REFERENCE]
+    return (speed_of([measured[i] for i in prompt], [profiled[i] for i in prompt]),
+            speed_of([measured[DECODE_REFERENCE]], [profiled[DECODE_REFERENCE]]))
+
+
+def row_drift(row: dict) -> tuple[float, float] | None:
+    """The drift a row's simulated search is clocked at: the median of each factor over its
+    real search's points (None for rows measured before drift checks)."""
+    drifts = row.get("real_drifts") or []
+    if not drifts:
+        return None
+    return statistics.median(p for _, p, _ in drifts), statistics.median(d for _, _, d in drifts)
 
 
 def at_speed(fit: dict | None, speed: float) -> dict | None:
@@ -128,11 +154,14 @@ def row_speed(row: dict) -> float:
     return statistics.median(speeds) if speeds else 1.0
 
 
-def checked_point(check, speeds: list, rate: float, url: str, w, slos) -> dict:
-    """A real point at `rate`, the machine's speed measured right before it (kept in `speeds`)."""
+def checked_point(check, speeds: list, rate: float, url: str, w, slos, drifts: list | None = None) -> dict:
+    """A real point at `rate`, the machine's speed measured right before it (kept in `speeds`,
+    and its drift by kind of step in `drifts`)."""
     from real_cluster_lib import real_point
 
     speeds.append([rate, check()])
+    if drifts is not None and check.last_drift is not None:
+        drifts.append([rate, *check.last_drift])
     return real_point(url, w, rate, slos)
 
 
@@ -142,4 +171,6 @@ def speed_cell(row: dict) -> str:
     if not speeds:
         return "—"
     lo, hi = min(speeds), max(speeds)
-    return f"{lo:.2f}×" if lo == hi else f"{lo:.2f}–{hi:.2f}×"
+    drift = row_drift(row)
+    return (f"{lo:.2f}×" if lo == hi else f"{lo:.2f}–{hi:.2f}×") + (
+        f" (p {drift[0]:.2f}, d {drift[1]:.2f})" if drift else "")

@@ -267,7 +267,14 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     sent = []
     monkeypatch.setattr(more, "Server", lambda *a, **k: contextlib.nullcontext("http://x"))
-    monkeypatch.setattr(more, "SpeedCheck", lambda *a, **k: lambda: 1.2)  # the machine's speed before each point
+    class Check:  # the machine's speed before each point, and by kind of step
+        last_drift = None
+
+        def __call__(self) -> float:
+            self.last_drift = (1.3, 1.1)
+            return 1.2
+
+    monkeypatch.setattr(more, "SpeedCheck", lambda *a, **k: Check())
     monkeypatch.setattr(more, "real_point", lambda url, w, rate, slos: sent.append((len(w.workload.requests), rate))
                         or {**old, "ttft_p50": 0.25})
     args = argparse.Namespace(work_dir=str(tmp_path), refix=7, executors="local,ray", model=None,
@@ -276,6 +283,7 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     got = json.loads((tmp_path / "rows.json").read_text())
     assert sent == [(7, 0.5), (7, 0.5)]
     assert all(r["real"]["ttft_p50"] == 0.25 and r["sim"]["completed"] == 7 and r["fixed_speed"] == 1.2 for r in got)
+    assert all(r["fixed_drift"] == [1.3, 1.1] for r in got)
     assert [r["real_curve"] for r in got] == [r["real_curve"] for r in rows]  # the searches are kept
     report = (tmp_path / "report.md").read_text()
     assert "3 requests per point (7 at the fixed rate)" in report

@@ -114,3 +114,34 @@ def test_resim_clocks_each_row_at_its_recorded_speeds(tmp_path):
         assert 0 < slow["sim_goodput"] < fast["sim_goodput"]
         assert slow["sim"]["ttft_p50"] > 1.3 * fast["sim"]["ttft_p50"]
     assert "| 1.50× |" in (tmp_path / "report.md").read_text()
+
+
+def test_drift_by_kind_of_step_clocks_prompt_steps_and_decodes_apart(tmp_path):
+    """The check's drift splits its reference steps into prompt-bearing ones and the decode
+    step; a row's simulated clock then prices each kind at its own speed, and rows measured
+    before drift checks keep the one speed."""
+    import numpy as np
+
+    from real_cluster_lib import served_clock
+
+    from flowyard.core.plan import BatchShape
+    from flowyard.costmodel.profiled import ProfiledCostModel
+
+    profiled = [1.0, 0.2, 0.1, 0.3]  # REFERENCE: prefill 512, prefill 128, decode, mixed
+    measured = [1.3, 0.26, 0.1, 0.39]  # prompt steps 1.3x slower, decodes as profiled
+    assert rs.drift_of(measured, profiled) == (1.3, 1.0)
+    assert rs.speed_of(measured, profiled) == pytest.approx(1.3 ** 0.75, abs=1e-3)
+    assert rs.row_drift({"real_speeds": [[1.0, 1.2]]}) is None
+    row = {"real_speeds": [[1.0, 1.2], [2.0, 1.1]], "real_drifts": [[1.0, 1.4, 1.0], [2.0, 1.2, 1.1], [3.0, 1.3, 1.2]]}
+    assert rs.row_drift(row) == (1.3, 1.1)
+    assert "(p 1.30, d 1.10)" in rs.speed_cell(row)
+    path = _profile()
+    plain = ProfiledCostModel(str(path))
+    clock = served_clock(path, None, plain, 1.25, (1.3, 1.1))
+    prefill, decode = BatchShape.chunk(0, 256), BatchShape(decode_seqs=4, decode_ctx=4 * 300)
+    assert float(clock.step_time(prefill)) == pytest.approx(1.3 * float(plain.step_time(prefill)), rel=1e-6)
+    assert float(clock.step_time(decode)) == pytest.approx(1.1 * float(plain.step_time(decode)), rel=1e-6)
+    run = BatchShape(decode_seqs=np.array([4, 4]), decode_ctx=np.array([1200.0, 1204.0]))
+    assert np.allclose(clock.step_time(run), 1.1 * np.asarray(plain.step_time(run)))
+    one = served_clock(path, None, plain, 1.25)  # no drift recorded: every step at the one speed
+    assert float(one.step_time(prefill)) == pytest.approx(1.25 * float(plain.step_time(prefill)), rel=1e-6)
