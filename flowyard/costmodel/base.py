@@ -98,8 +98,9 @@ class CostModel(ABC):
 
 
 class WrappedCostModel(CostModel):
-    """Another cost model's times, each step's multiplied by `factor_of(shape)`; everything
-    that is not a time (KV sizes, capacity) passes through."""
+    """Another cost model's step times, each step's multiplied by `factor_of(shape)`; what is
+    not a step's time passes through as `base` gives it (the frontend latency, the KV export
+    and the serving gap, KV sizes and capacity)."""
 
     def __init__(self, base: CostModel) -> None:
         self.base = base
