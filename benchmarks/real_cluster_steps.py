@@ -77,9 +77,8 @@ def gaps_while_busy(steps) -> float:
     return sum(g for g in (b[0] - a[1] for a, b in zip(ends, ends[1:])) if 0 < g < 1.0)
 
 
-def kv_moves(path: Path) -> int:
-    """KV transfers in a served timeline."""
-    trace = json.loads(path.read_text())
+def kv_moves(trace: dict) -> int:
+    """KV transfers in a timeline's Chrome trace."""
     return sum(1 for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kv")
 
 
@@ -97,7 +96,8 @@ def sim_run(w, rate: float, policy: str, cost) -> tuple[dict, float, list, int]:
     steps (as `real_steps`) and KV transfers."""
     tl = Timeline()
     point = sim_point(w, rate, policy, cost, True, timeline=tl)
-    return point, sum(end - start for _, start, end, _, _ in tl.steps), steps_of(tl.to_chrome()), len(tl.transfers)
+    trace = tl.to_chrome()
+    return point, sum(end - start for _, start, end, _, _ in tl.steps), steps_of(trace), kv_moves(trace)
 
 
 def _q(v: list[float], q: float) -> float:
@@ -139,7 +139,8 @@ def main() -> None:
             tl = work / f"timeline-{rate}-{k}.json"
             rp = timeline_point(Server(args.policy, "local", prof, None, work / f"serve-{rate}-{k}.log"), tl, w,
                                 rate, slos)
-            steps, server = real_steps(tl), server_ttfts(json.loads(tl.read_text()))
+            trace = json.loads(tl.read_text())  # read once: steps, server TTFTs and KV moves
+            steps, server = steps_of(trace), server_ttfts(trace)
             rows.append([f"{rate:g}", k + 1, f"{rp['attainment']:.2f} / {s['attainment']:.2f}",
                          f"{rp['ttft_p50'] * 1e3:.0f} / {s['ttft_p50'] * 1e3:.0f}",
                          f"{rp['ttft_p90'] * 1e3:.0f} / {s['ttft_p90'] * 1e3:.0f}",
@@ -152,7 +153,7 @@ def main() -> None:
                 r_, s_ = real_mix.get(kind, (0, 0.0, 0.0, 0.0)), sim_mix.get(kind, (0, 0.0, 0.0, 0.0))
                 mix_rows.append([f"{rate:g}", k + 1, kind, f"{r_[0]} / {s_[0]}", f"{r_[1]:.1f} / {s_[1]:.1f}",
                                  f"{r_[2]:.0f} / {s_[2]:.0f}", f"{r_[3]:.2f} / {s_[3]:.2f}"])
-            mix_rows.append([f"{rate:g}", k + 1, "KV moves", f"{kv_moves(tl)} / {sim_kv}", "", "", ""])
+            mix_rows.append([f"{rate:g}", k + 1, "KV moves", f"{kv_moves(trace)} / {sim_kv}", "", "", ""])
             for kind, v in sorted(step_ratios(steps, cost, ctx).items()):
                 ratio_rows.append([f"{rate:g}", k + 1, kind, len(v), f"{statistics.median(v):.2f}",
                                    f"{_q(v, 0.1):.2f}", f"{_q(v, 0.9):.2f}"])

@@ -165,7 +165,7 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     import numpy as np
 
     from conftest import LinearCost
-    from real_cluster_steps import gaps_while_busy, real_steps, step_mix, step_ratios
+    from real_cluster_steps import gaps_while_busy, kv_moves, real_steps, step_mix, step_ratios
 
     from flowyard.costmodel.serving import server_ttfts
 
@@ -190,6 +190,8 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     mix = step_mix(steps)
     assert mix["prefill"] == (1, pytest.approx(0.5), 100, 0) and mix["decode"][0] == 3
     assert mix["decode"][1] == pytest.approx(0.3)
+    tl.transfer(0, 0, 1, 0.5, 0.51)
+    assert kv_moves(tl.to_chrome()) == 1
     ratios = step_ratios(steps, LinearCost(), decode_ctx=100.0)
     assert all(np.isfinite(v).all() and min(v) > 0 for v in ratios.values())
 
