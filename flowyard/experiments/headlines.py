@@ -86,7 +86,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_burst.md": (_real_cluster, "burst-"),
     "docs/results/real_cluster_burst_ray.md": (_real_cluster, "burst-ray-"),
     # another host: a Zen 3 EPYC without bfloat16 (the engine runs float32 there)
-    "docs/results/real_cluster_conv_mixed_zen3.md": (_real_cluster, "zen3-")}
+    "docs/results/real_cluster_conv_mixed_zen3.md": (_real_cluster, "zen3-"),
+    # the same host and workload again, all seven on one day with the speed checks split by kind
+    "docs/results/real_cluster_conv_mixed_zen3_sameday.md": (_real_cluster, "zen3-day-")}
 
 
 def values(results: Path) -> dict[str, str]:
