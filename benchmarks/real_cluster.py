@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
                               fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
-from real_cluster_speed import SpeedCheck, checked_point, row_drift, row_speed  # noqa: E402
+from real_cluster_speed import SpeedCheck, checked_fixed_point, checked_point, row_drift, row_speed  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -269,11 +269,11 @@ def main() -> None:
                         sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row), row_drift(row)),
                                          shared, pcost)
                     fixed, fw = w.fixed_rate, fixed_ws[name]
-                    fixed_speed = pcheck()
-                    row["fixed_drift"] = pcheck.last_drift
-                    rp = real_point(url, fw, fixed, slos)
-                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed, pcheck.last_drift),
-                                   shared, pcost)
+                    rp, checks = checked_fixed_point(pcheck, lambda: real_point(url, fw, fixed, slos))
+                    row.update(checks)
+                    fixed_speed = checks["fixed_speed"]
+                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed,
+                                                                   checks["fixed_drift"]), shared, pcost)
                     rows.append({**row, "executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve, "fixed_speed": fixed_speed,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from real_cluster_points import added_note
-from real_cluster_speed import speed_cell
+from real_cluster_speed import fixed_checks_cell, speed_cell
 from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
 
 from flowyard.bench.loadgen import cap_lengths
@@ -288,15 +288,19 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     if meta.get("fixed_revision"):  # --refix measured every row's point again, after the searches
         lines += [f"Every row's point measured again with {meta['fixed_requests']} requests (`--refix`) at "
                   f"{meta['fixed_revision']}, {meta.get('fixed_at', 'time not recorded')}.", ""]
+    if any(r.get("fixed_checks") for r in rows):
+        lines += ["\"Machine\" is the speed check right before the point → right after it; the simulated point is "
+                  "clocked at their geometric mean.", ""]
     lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
-                           "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err"],
+                           "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err", "machine"],
                           [[r["executor"], r["workload"], f"`{r['policy']}`", f"{r['fixed_rate']:g}",
                             f"{r['real']['ttft_p50'] * 1e3:.0f} / {r['sim']['ttft_p50'] * 1e3:.0f}",
                             _pct(_err(r["sim"]["ttft_p50"], r["real"]["ttft_p50"])),
                             _pct(_err(r["sim"]["ttft_p90"], r["real"]["ttft_p90"])),
                             f"{r['real']['tpot_p50'] * 1e3:.0f} / {r['sim']['tpot_p50'] * 1e3:.0f}",
                             _pct(_err(r["sim"]["tpot_p50"], r["real"]["tpot_p50"])),
-                            _pct(_err(r["sim"]["tpot_p90"], r["real"]["tpot_p90"]))] for r in rows]))
+                            _pct(_err(r["sim"]["tpot_p90"], r["real"]["tpot_p90"])), fixed_checks_cell(r)]
+                           for r in rows]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -15,7 +15,7 @@ from real_cluster_fit import export_timeline, serving_scale, with_export
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
                               served_clock, sim_point, write_report)
 from real_cluster_points import add_point, parse_add_rates
-from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
+from real_cluster_speed import SpeedCheck, checked_fixed_point, normalized, row_drift, row_speed
 
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import source_revision
@@ -99,8 +99,8 @@ def refix(args) -> None:
             with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
-                    row["fixed_speed"], row["fixed_drift"] = check(), check.last_drift
-                    row["real"] = real_point(url, w, row["fixed_rate"], slos)
+                    row["real"], checks = checked_fixed_point(check, lambda: real_point(url, w, row["fixed_rate"], slos))
+                    row.update(checks)
                     clock = served_clock(path, fit, cost, row["fixed_speed"], row["fixed_drift"])
                     row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "

@@ -286,6 +286,7 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     assert sent == [(7, 0.5), (7, 0.5)]
     assert all(r["real"]["ttft_p50"] == 0.25 and r["sim"]["completed"] == 7 and r["fixed_speed"] == 1.2 for r in got)
     assert all(r["fixed_drift"] == [1.3, 1.1] for r in got)
+    assert all(r["fixed_checks"] == [[1.2, 1.3, 1.1]] * 2 for r in got)  # before and after the point
     assert [r["real_curve"] for r in got] == [r["real_curve"] for r in rows]  # the searches are kept
     report = (tmp_path / "report.md").read_text()
     assert "3 requests per point (7 at the fixed rate)" in report

@@ -145,3 +145,31 @@ def test_drift_by_kind_of_step_clocks_prompt_steps_and_decodes_apart(tmp_path):
     assert np.allclose(clock.step_time(run), 1.1 * np.asarray(plain.step_time(run)))
     one = served_clock(path, None, plain, 1.25)  # no drift recorded: every step at the one speed
     assert float(one.step_time(prefill)) == pytest.approx(1.25 * float(plain.step_time(prefill)), rel=1e-6)
+
+
+class _Checks:
+    """A speed check whose answers are given in turn: (speed, (prompt steps, decodes) or None)."""
+
+    def __init__(self, answers) -> None:
+        self.answers, self.last_drift = list(answers), None
+
+    def __call__(self) -> float:
+        speed, self.last_drift = self.answers.pop(0)
+        return speed
+
+
+def test_the_fixed_point_is_checked_before_and_after_and_clocked_at_their_geometric_mean():
+    ran = []
+    check = _Checks([(1.0, (1.21, 1.44)), (1.44, (1.0, 1.0))])
+    point, row = rs.checked_fixed_point(check, lambda: ran.append(len(check.answers)) or {"ttft_p50": 1.0})
+    assert point == {"ttft_p50": 1.0} and ran == [1]  # the point runs between the two checks
+    assert row["fixed_speed"] == 1.2 and row["fixed_drift"] == [1.1, 1.2]
+    assert row["fixed_checks"] == [[1.0, 1.21, 1.44], [1.44, 1.0, 1.0]]
+    assert rs.fixed_checks_cell(row) == "1.00× (p 1.21, d 1.44) → 1.44× (p 1.00, d 1.00)"
+    assert rs.fixed_checks_cell({}) == "—"  # rows from before the checks bracketed the point
+
+
+def test_a_check_without_drift_brackets_the_fixed_point_by_speed_alone():
+    _, row = rs.checked_fixed_point(_Checks([(0.81, None), (1.0, None)]), lambda: {})
+    assert row == {"fixed_speed": 0.9, "fixed_drift": None, "fixed_checks": [[0.81], [1.0]]}
+    assert rs.fixed_checks_cell(row) == "0.81× → 1.00×"
