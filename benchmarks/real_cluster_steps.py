@@ -43,9 +43,11 @@ from flowyard.experiments.provenance import machine
 from flowyard.experiments.report import md_table, source_revision
 
 
-def steps_of(trace: dict | list) -> list[tuple[str, float, int, int, float]]:
-    """(kind, seconds, prompt tokens, decodes, start) of every step in a timeline's Chrome
-    trace, a decode run recorded as one event (the simulator's) spread into its steps."""
+def steps_of(trace: dict | list) -> list[tuple[str, float, int, int, float, dict | None]]:
+    """(kind, seconds, prompt tokens, decodes, start, batch shape) of every step in a timeline's
+    Chrome trace, a decode run recorded as one event (the simulator's) spread into its steps. The
+    shape is the batch as the cost model prices it, where the timeline recorded it (None in
+    timelines from before, and for decode runs)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     out = []
     for e in events:
@@ -54,7 +56,7 @@ def steps_of(trace: dict | list) -> list[tuple[str, float, int, int, float]]:
         a = e["args"]
         p, n, runs = int(a.get("prefill_tokens", 0)), int(a.get("decode_seqs", 0)), max(1, int(a.get("steps", 1)))
         kind, dur = "mixed" if p and n else ("prefill" if p else "decode"), e["dur"] / 1e6 / runs
-        out += [(kind, dur, p, n, e["ts"] / 1e6 + j * dur) for j in range(runs)]
+        out += [(kind, dur, p, n, e["ts"] / 1e6 + j * dur, a.get("shape")) for j in range(runs)]
     return sorted(out, key=lambda s: s[4])
 
 
@@ -64,9 +66,12 @@ def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
 
 
 def step_ratios(steps, cost, decode_ctx: float) -> dict[str, list[float]]:
+    """kind -> each step's duration over the cost model's price of its batch: the recorded shape
+    (a chunk with its history, each decode with its own context), else its prompt tokens as a
+    fresh prompt and its decodes at `decode_ctx` (which misprices chunks that follow history)."""
     by: dict[str, list[float]] = {}
-    for kind, dur, p, n, _ in steps:
-        shape = BatchShape.chunk(0, p, decode_seqs=n, decode_ctx=n * decode_ctx)
+    for kind, dur, p, n, _, recorded in steps:
+        shape = BatchShape(**recorded) if recorded else BatchShape.chunk(0, p, decode_seqs=n, decode_ctx=n * decode_ctx)
         by.setdefault(kind, []).append(dur / float(cost.step_time(shape)))
     return by
 
@@ -85,7 +90,7 @@ def kv_moves(trace: dict) -> int:
 def step_mix(steps) -> dict[str, tuple[int, float, float, float]]:
     """kind -> (steps, busy seconds, mean prompt tokens, mean decodes) of one run's steps."""
     by: dict[str, list] = {}
-    for kind, dur, p, n, _ in steps:
+    for kind, dur, p, n, *_ in steps:
         by.setdefault(kind, []).append((dur, p, n))
     return {k: (len(v), sum(d for d, _, _ in v), statistics.mean(p for _, p, _ in v),
                 statistics.mean(n for _, _, n in v)) for k, v in by.items()}
@@ -131,7 +136,7 @@ def main() -> None:
     w = make_workload(args.workload, args.requests, slos, cost)
     reqs = w.workload.requests
     ctx = statistics.mean(r.prompt_len for r in reqs) + statistics.mean(r.target_output for r in reqs) / 2
-    started, rows, ratio_rows, mix_rows = time.time(), [], [], []
+    started, rows, ratio_rows, mix_rows, shaped = time.time(), [], [], [], [0, 0]
     for rate in rates:
         s, sim_busy, simulated, sim_kv = sim_run(w, rate, args.policy, cost)
         sim_mix = step_mix(simulated)
@@ -148,6 +153,7 @@ def main() -> None:
                          f"{rp['tpot_p50'] * 1e3:.0f} / {s['tpot_p50'] * 1e3:.0f}",
                          f"{rp['tpot_p90'] * 1e3:.0f} / {s['tpot_p90'] * 1e3:.0f}",
                          f"{sum(st[1] for st in steps):.1f} / {sim_busy:.1f}", f"{gaps_while_busy(steps):.2f}"])
+            shaped[0], shaped[1] = shaped[0] + sum(1 for st in steps if st[5]), shaped[1] + len(steps)
             real_mix = step_mix(steps)
             for kind in sorted(set(real_mix) | set(sim_mix)):
                 r_, s_ = real_mix.get(kind, (0, 0.0, 0.0, 0.0)), sim_mix.get(kind, (0, 0.0, 0.0, 0.0))
@@ -173,7 +179,10 @@ def main() -> None:
                        "TPOT P50 (ms)", "TPOT P90",
                        "busy s", "real s between steps"], rows), "",
              "## Step prices: real step duration / profile's price of its batch", "",
-             f"Decodes priced at a context of {ctx:.0f} tokens (the workload's mean prompt plus half its mean output).",
+             f"{shaped[0]} of the {shaped[1]} real steps are priced at the batch shape their timeline recorded (each "
+             "chunk with its history, each decode at its own context); the others (decode runs, older timelines) "
+             f"as fresh prompts with decodes at a context of {ctx:.0f} tokens (the workload's mean prompt plus half "
+             "its mean output).",
              "", md_table(["rate (req/s)", "run", "kind", "steps", "median", "P10", "P90"], ratio_rows), "",
              "## Steps run: real / simulated", "",
              md_table(["rate (req/s)", "run", "kind", "steps", "busy s", "mean prompt tokens", "mean decodes"],

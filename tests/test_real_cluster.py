@@ -194,6 +194,13 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     assert kv_moves(tl.to_chrome()) == 1
     ratios = step_ratios(steps, LinearCost(), decode_ctx=100.0)
     assert all(np.isfinite(v).all() and min(v) > 0 for v in ratios.values())
+    # a lone step is priced at the batch shape the timeline recorded (here the decode's own
+    # context), a decode run's steps, which carry none, at the context given
+    assert steps[3][5] is not None and steps[1][5] is None
+    from flowyard.core.plan import BatchShape
+    alone = step_ratios(steps[3:], LinearCost(), decode_ctx=9999.0)["decode"][0]
+    assert alone == pytest.approx(0.1 / float(LinearCost().step_time(BatchShape(**steps[3][5]))), rel=1e-3)
+    assert step_ratios(steps[1:2], LinearCost(), decode_ctx=9999.0)["decode"][0] < alone
 
 
 def test_machine_speed_compares_two_profiles_of_the_same_steps(tiny, tmp_path):

@@ -42,6 +42,17 @@ def test_a_clean_checkout_records_its_revision(repo):
     assert p.revision == rev and not p.dirty and p.first_line() == ""
 
 
+def test_a_benchmarks_report_counts_its_scripts_as_source_but_not_its_results(repo):
+    from flowyard.experiments.report import source_revision
+
+    rev = _git(repo, "rev-parse", "HEAD").strip()[:7]
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "benchmarks" / "results" / "r.md").write_text("a result is not source\n")
+    assert source_revision(repo).startswith(rev) and "uncommitted" not in source_revision(repo)
+    (repo / "benchmarks" / "b.py").write_text("print(1)\n")
+    assert source_revision(repo).endswith(" + uncommitted changes")
+
+
 @pytest.mark.parametrize("change", ["modify", "untracked"])
 def test_uncommitted_source_is_refused_unless_allowed(repo, change):
     if change == "modify":

@@ -30,6 +30,8 @@ from typing import Any, Iterator
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 #: what counts as the source when judging a checkout dirty (reports under docs/ do not)
 SOURCE_PATHS = ("flowyard", "pyproject.toml")
+#: ... and for a benchmark's report, the benchmark scripts as well (not their results)
+BENCHMARK_PATHS = SOURCE_PATHS + ("benchmarks/*.py",)
 #: a SimConfig field whose name holds one of these words is a cost-model setting and is recorded
 COST_MODEL_FIELD_WORDS = ("calibration", "profile")
 DIRTY_LINE = "**Made from uncommitted code**"

@@ -176,12 +176,13 @@ def conclusion(verdict: str) -> str:
 
 # ------------------------------------------------------------------------------- report
 
-def source_revision() -> str:
-    """The flowyard checkout's commit, "+ uncommitted changes" when its sources differ from it;
-    "" outside a git checkout (`provenance.git_state`)."""
-    from flowyard.experiments.provenance import git_state
+def source_revision(root: Path | None = None) -> str:
+    """The flowyard checkout's commit, "+ uncommitted changes" when its sources or benchmark
+    scripts (the code behind benchmarks' reports) differ from it; "" outside a git checkout
+    (`provenance.git_state`). root: the checkout (None: this package's)."""
+    from flowyard.experiments.provenance import BENCHMARK_PATHS, git_state
 
-    g = git_state()
+    g = git_state(root, BENCHMARK_PATHS)
     return "" if not g.revision else g.short + (" + uncommitted changes" if g.dirty else "")
 
 
