@@ -88,7 +88,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # another host: a Zen 3 EPYC without bfloat16 (the engine runs float32 there)
     "docs/results/real_cluster_conv_mixed_zen3.md": (_real_cluster, "zen3-"),
     # the same host and workload again, all seven on one day with the speed checks split by kind
-    "docs/results/real_cluster_conv_mixed_zen3_sameday.md": (_real_cluster, "zen3-day-")}
+    "docs/results/real_cluster_conv_mixed_zen3_sameday.md": (_real_cluster, "zen3-day-"),
+    # ... its fixed-rate points measured again, the machine checked before and after each (--refix)
+    "docs/results/real_cluster_conv_mixed_zen3_refix.md": (_real_cluster, "zen3-refix-")}
 
 
 def values(results: Path) -> dict[str, str]:
