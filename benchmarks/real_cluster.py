@@ -271,13 +271,12 @@ def main() -> None:
                     fixed, fw = w.fixed_rate, fixed_ws[name]
                     rp, checks = checked_fixed_point(pcheck, lambda: real_point(url, fw, fixed, slos))
                     row.update(checks)
-                    fixed_speed = checks["fixed_speed"]
-                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, fixed_speed,
+                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, checks["fixed_speed"],
                                                                    checks["fixed_drift"]), shared, pcost)
                     rows.append({**row, "executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
-                                 "real_curve": real.curve, "sim_curve": sim.curve, "fixed_speed": fixed_speed,
-                                 "fixed_rate": fixed, "real": rp, "sim": sp, "revision": source_revision(),
+                                 "real_curve": real.curve, "sim_curve": sim.curve, "fixed_rate": fixed,
+                                 "real": rp, "sim": sp, "revision": source_revision(),
                                  "profile": pol_path.name, "step_price_vs_slo_profile": speed,
                                  "profile_age_min": round(age_min, 1), "sim_tol": SIM_TOL})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "

@@ -60,7 +60,7 @@ def steps_of(trace: dict | list) -> list[tuple[str, float, int, int, float, dict
     return sorted(out, key=lambda s: s[4])
 
 
-def real_steps(path: Path) -> list[tuple[str, float, int, int, float]]:
+def real_steps(path: Path) -> list[tuple[str, float, int, int, float, dict | None]]:
     """`steps_of` a served timeline's file."""
     return steps_of(json.loads(path.read_text()))
 
