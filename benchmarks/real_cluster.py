@@ -33,9 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              fixed_workload, make_workload, real_point, run_slos,
-                              served_clock, sim_point, write_report)
-from real_cluster_speed import SpeedCheck, checked_fixed_point, checked_point, row_drift, row_speed  # noqa: E402
+                              fixed_workload, make_workload, real_states, run_slos,
+                              served_clock, sim_point, sim_states, write_report)
+from real_cluster_fixed import fixed_row  # noqa: E402
+from real_cluster_speed import SpeedCheck, checked_point, row_drift, row_speed  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -130,6 +131,10 @@ def main() -> None:
     ap.add_argument("--fixed-requests", type=int, default=None,
                     help="requests of the per-request fidelity point (default: --requests); the P50 and P90 "
                          "of a few dozen requests move by tens of percent between two real runs")
+    ap.add_argument("--fixed-repeats", type=int, default=1, metavar="K",
+                    help="serve the per-request fidelity point K times (with --refix too), each run between speed "
+                         "checks and simulated at its own speed; P50 and P90 pool the runs' requests and the "
+                         "report shows the single runs' spread (default 1)")
     ap.add_argument("--out", default="docs/results/real_cluster.md")
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")
@@ -161,6 +166,8 @@ def main() -> None:
     ap.add_argument("--render-only", action="store_true",
                     help="measure nothing: write the report from --work-dir's rows.json and meta.json")
     args = ap.parse_args()
+    if args.fixed_repeats < 1:
+        sys.exit(f"real_cluster: --fixed-repeats must be at least 1, got {args.fixed_repeats}")
     if args.render_only:
         if args.work_dir is None or not (Path(args.work_dir) / "rows.json").exists():
             sys.exit("real_cluster: --render-only needs a --work-dir with rows.json from an earlier run")
@@ -269,14 +276,13 @@ def main() -> None:
                         sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row), row_drift(row)),
                                          shared, pcost)
                     fixed, fw = w.fixed_rate, fixed_ws[name]
-                    rp, checks = checked_fixed_point(pcheck, lambda: real_point(url, fw, fixed, slos))
-                    row.update(checks)
-                    sp = sim_point(fw, fixed, policy, served_clock(pol_path, fit, pcost, checks["fixed_speed"],
-                                                                   checks["fixed_drift"]), shared, pcost)
+                    row.update(fixed_row(pcheck, lambda: real_states(url, fw, fixed, slos),
+                                         lambda sp, dr: sim_states(fw, fixed, policy, served_clock(
+                                             pol_path, fit, pcost, sp, dr), shared, pcost), args.fixed_repeats))
                     rows.append({**row, "executor": executor, "policy": policy, "workload": name,
                                  "real_goodput": real.goodput, "sim_goodput": sim.goodput,
                                  "real_curve": real.curve, "sim_curve": sim.curve, "fixed_rate": fixed,
-                                 "real": rp, "sim": sp, "revision": source_revision(),
+                                 "revision": source_revision(),
                                  "profile": pol_path.name, "step_price_vs_slo_profile": speed,
                                  "profile_age_min": round(age_min, 1), "sim_tol": SIM_TOL})
                     print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "

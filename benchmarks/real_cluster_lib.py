@@ -14,13 +14,13 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from real_cluster_fixed import fixed_table, point_of
 from real_cluster_points import added_note
-from real_cluster_speed import fixed_checks_cell, speed_cell
+from real_cluster_speed import speed_cell
 from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
 
 from flowyard.bench.loadgen import cap_lengths
 from flowyard.bench.serve_bench import run_bench
-from flowyard.core.metrics import summarize
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import DriftedCostModel
 from flowyard.costmodel.link import Link
@@ -106,24 +106,25 @@ def _at(w: RealWorkload, rate: float) -> Workload:
     return scale_rate(w.workload, rate / w.base_rate)
 
 
-def _point(summary) -> dict:
-    return {"attainment": summary.slo_attainment, "ttft_p50": summary.ttft["p50"], "ttft_p90": summary.ttft["p90"],
-            "tpot_p50": summary.tpot["p50"], "tpot_p90": summary.tpot["p90"], "completed": summary.completed}
-
-
 def sim_point(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool, predictor=None,
               timeline=None) -> dict:
-    """The simulator's run of the workload at `rate`, emulating the served engine: its profile,
-    `flowyard serve`'s policy options, and for in-process instances one shared device. `cost`
-    clocks the steps; the policy predicts with `predictor` (default: the same model); a
-    `Timeline` given records the run's steps."""
+    """`sim_states`' numbers."""
+    return point_of(sim_states(w, rate, policy, cost, shared_device, predictor, timeline))
+
+
+def sim_states(w: RealWorkload, rate: float, policy: str, cost, shared_device: bool, predictor=None,
+               timeline=None) -> list:
+    """The simulator's run of the workload at `rate`, its requests' states, emulating the served
+    engine: its profile, `flowyard serve`'s policy options, and for in-process instances one
+    shared device. `cost` clocks the steps; the policy predicts with `predictor` (default: the
+    same model); a `Timeline` given records the run's steps."""
     link = Link(1e12) if shared_device else Link(1e9, 2e-3)  # an in-process copy; Ray's object store
     opts = PolicyOptions(num_instances=INSTANCES, max_num_seqs=MAX_NUM_SEQS, predictor=predictor or cost,
                          shared_device=shared_device)
     reqs = [replace(r, max_tokens=None) for r in _at(w, rate).requests]
     res = Simulator(reqs, build_policy(policy, opts), cost, Topology(1, link, link),
                     shared_device=shared_device, timeline=timeline).run()
-    return _point(summarize(res.states, policy=policy))
+    return res.states
 
 
 def fixed_workload(name: str, n: int, rate: float, slos: EngineSLOs, cost) -> RealWorkload:
@@ -148,12 +149,17 @@ def served_clock(profile: Path, fit: dict | None, plain, speed: float = 1.0,
     return ProfiledCostModel({**json.loads(profile.read_text()), "serving": fit}) if fit else plain
 
 
+def real_states(url: str, w: RealWorkload, rate: float, slos: EngineSLOs, calibrate: bool = True) -> list:
+    """One `flowyard bench` run at `rate`, its requests' states: every request carries its SLO as
+    headers (calibrate: fit prompt words to the server's token counts first, so prompts have the
+    trace's lengths)."""
+    return run_bench(url, _at(w, rate), goodput=f"tpot:{slos.tpot * 1e3:g}", ttft_slo_by_length=slos.spec,
+                     send_slo=True, timeout=180.0, seed=0, calibrate_prompts=calibrate).states
+
+
 def real_point(url: str, w: RealWorkload, rate: float, slos: EngineSLOs, calibrate: bool = True) -> dict:
-    """One `flowyard bench` run at `rate`: every request carries its SLO as headers (calibrate:
-    fit prompt words to the server's token counts first, so prompts have the trace's lengths)."""
-    res = run_bench(url, _at(w, rate), goodput=f"tpot:{slos.tpot * 1e3:g}", ttft_slo_by_length=slos.spec,
-                    send_slo=True, timeout=180.0, seed=0, calibrate_prompts=calibrate)
-    return _point(res.summary)
+    """`real_states`' numbers."""
+    return point_of(real_states(url, w, rate, slos, calibrate))
 
 
 class Server:
@@ -288,19 +294,7 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     if meta.get("fixed_revision"):  # --refix measured every row's point again, after the searches
         lines += [f"Every row's point measured again with {meta['fixed_requests']} requests (`--refix`) at "
                   f"{meta['fixed_revision']}, {meta.get('fixed_at', 'time not recorded')}.", ""]
-    if any(r.get("fixed_checks") for r in rows):
-        lines += ["\"Machine\" is the speed check right before the point → right after it; the simulated point is "
-                  "clocked at their geometric mean.", ""]
-    lines.append(md_table(["executor", "workload", "policy", "rate", "TTFT P50 real / sim (ms)", "err",
-                           "TTFT P90 err", "TPOT P50 real / sim (ms)", "err", "TPOT P90 err", "machine"],
-                          [[r["executor"], r["workload"], f"`{r['policy']}`", f"{r['fixed_rate']:g}",
-                            f"{r['real']['ttft_p50'] * 1e3:.0f} / {r['sim']['ttft_p50'] * 1e3:.0f}",
-                            _pct(_err(r["sim"]["ttft_p50"], r["real"]["ttft_p50"])),
-                            _pct(_err(r["sim"]["ttft_p90"], r["real"]["ttft_p90"])),
-                            f"{r['real']['tpot_p50'] * 1e3:.0f} / {r['sim']['tpot_p50'] * 1e3:.0f}",
-                            _pct(_err(r["sim"]["tpot_p50"], r["real"]["tpot_p50"])),
-                            _pct(_err(r["sim"]["tpot_p90"], r["real"]["tpot_p90"])), fixed_checks_cell(r)]
-                           for r in rows]))
+    lines += fixed_table(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

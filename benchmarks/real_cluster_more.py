@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 from real_cluster_fit import export_timeline, serving_scale, with_export
-from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, run_slos,
-                              served_clock, sim_point, write_report)
+from real_cluster_fixed import fixed_row, resimulate
+from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, real_states,
+                              run_slos, served_clock, sim_states, write_report)
 from real_cluster_points import add_point, parse_add_rates
-from real_cluster_speed import SpeedCheck, checked_fixed_point, normalized, row_drift, row_speed
+from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
 
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.report import source_revision
@@ -87,7 +88,7 @@ def refix(args) -> None:
     targets = [r for r in rows if r["executor"] in executors]
     if not targets:
         sys.exit(f"real_cluster: --refix: no rows for executors {executors} in {work}/rows.json")
-    model = ExperimentConfig(model=args.model).model
+    model, repeats = ExperimentConfig(model=args.model).model, getattr(args, "fixed_repeats", 1)
     for executor in dict.fromkeys(r["executor"] for r in targets):
         path = work / f"profile-{executor}.json"
         cost = ProfiledCostModel(str(path))
@@ -99,14 +100,15 @@ def refix(args) -> None:
             with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
-                    row["real"], checks = checked_fixed_point(check, lambda: real_point(url, w, row["fixed_rate"], slos))
-                    row.update(checks)
-                    clock = served_clock(path, fit, cost, row["fixed_speed"], row["fixed_drift"])
-                    row["sim"] = sim_point(w, row["fixed_rate"], policy, clock, executor == "local", cost)
+                    rate = row["fixed_rate"]
+                    row.pop("fixed_runs", None)  # an earlier --refix's runs, if it served more
+                    row.update(fixed_row(check, lambda: real_states(url, w, rate, slos),
+                                         lambda sp, dr: sim_states(w, rate, policy, served_clock(path, fit, cost, sp, dr),
+                                                                   executor == "local", cost), repeats))
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
                     (work / "rows.json").write_text(json.dumps(rows, indent=1))
-    meta.update(fixed_requests=args.refix, fixed_revision=source_revision(),
+    meta.update(fixed_requests=args.refix, fixed_repeats=repeats, fixed_revision=source_revision(),
                 fixed_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     _finish(args, work, rows, meta)
 
@@ -170,9 +172,9 @@ def resim(args) -> None:
                          executor == "local", pcost)
         fixed = fixed_workload(row["workload"], meta.get("fixed_requests") or meta["requests_per_point"],
                                row["fixed_rate"], slos, slo_cost)
-        fixed_clock = served_clock(path, fit, pcost, row.get("fixed_speed", 1.0), row.get("fixed_drift"))
-        row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL,
-                   sim=sim_point(fixed, row["fixed_rate"], row["policy"], fixed_clock, executor == "local", pcost))
+        row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL)
+        resimulate(row, lambda sp, dr: sim_states(fixed, row["fixed_rate"], row["policy"],
+                                                  served_clock(path, fit, pcost, sp, dr), executor == "local", pcost))
         print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "
               f"{sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
     (work / "rows.json").write_text(json.dumps(rows, indent=1))

@@ -29,7 +29,6 @@ import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from flowyard.core.plan import BatchShape
 from flowyard.engine.profiler import GridPoint, spread, step_seconds
@@ -164,28 +163,6 @@ def checked_point(check, speeds: list, rate: float, url: str, w, slos, drifts: l
     if drifts is not None and check.last_drift is not None:
         drifts.append([rate, *check.last_drift])
     return real_point(url, w, rate, slos)
-
-
-def checked_fixed_point(check, run: Callable[[], dict]) -> tuple[dict, dict]:
-    """The fixed-rate point `run()` with the machine's speed checked right before and right after
-    it, and what its row records of them: 'fixed_speed' and 'fixed_drift', each the geometric
-    mean of the two checks (the speed during the point, as well as two checks can tell; the
-    simulator's clock for the point runs at it), and 'fixed_checks', [speed, prompt steps,
-    decodes] before and after. One check before was not enough on a VM whose speed moves within
-    minutes: a 1P1D point's decodes ran at about the profile's speed while the check before
-    them said a third slower (docs/results/real_cluster_steps_distserve_zen3.md)."""
-    before = _checked(check)
-    point = run()
-    after = _checked(check)
-    both = [round(math.sqrt(a * b), 3) for a, b in zip(before, after)]
-    return point, {"fixed_speed": both[0], "fixed_drift": both[1:] if len(both) == 3 else None,
-                   "fixed_checks": [before, after]}
-
-
-def _checked(check) -> list[float]:
-    """[speed, prompt steps' speed, decodes' speed] now; the speed alone from a check without drift."""
-    speed = check()
-    return [speed, *check.last_drift] if check.last_drift is not None else [speed]
 
 
 def fixed_checks_cell(row: dict) -> str:

@@ -284,20 +284,35 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
             return 1.2
 
     monkeypatch.setattr(more, "SpeedCheck", lambda *a, **k: Check())
-    monkeypatch.setattr(more, "real_point", lambda url, w, rate, slos: sent.append((len(w.workload.requests), rate))
-                        or {**old, "ttft_p50": 0.25})
+
+    def served(url, w, rate, slos):  # the real run: its requests' states (the simulator's, 0.25 s TTFT each)
+        sent.append((len(w.workload.requests), rate))
+        states = rc.sim_states(w, rate, "vllm", cost, True)
+        for st in states:
+            st.first_token_time = st.req.arrival + 0.25
+            st.token_times[0][0] = st.first_token_time
+        return states
+
+    monkeypatch.setattr(more, "real_states", served)
     args = argparse.Namespace(work_dir=str(tmp_path), refix=7, executors="local,ray", model=None,
                               out=str(tmp_path / "report.md"))
     more.refix(args)
     got = json.loads((tmp_path / "rows.json").read_text())
     assert sent == [(7, 0.5), (7, 0.5)]
-    assert all(r["real"]["ttft_p50"] == 0.25 and r["sim"]["completed"] == 7 and r["fixed_speed"] == 1.2 for r in got)
-    assert all(r["fixed_drift"] == [1.3, 1.1] for r in got)
+    assert all(r["real"]["ttft_p50"] == pytest.approx(0.25) and r["sim"]["completed"] == 7
+               and r["fixed_speed"] == 1.2 for r in got)
+    assert all(r["fixed_drift"] == [1.3, 1.1] and "fixed_runs" not in r for r in got)
     assert all(r["fixed_checks"] == [[1.2, 1.3, 1.1]] * 2 for r in got)  # before and after the point
     assert [r["real_curve"] for r in got] == [r["real_curve"] for r in rows]  # the searches are kept
     report = (tmp_path / "report.md").read_text()
     assert "3 requests per point (7 at the fixed rate)" in report
     assert "measured again with 7 requests (`--refix`) at " in report  # with the revision and time it ran
+    sent.clear()
+    more.refix(argparse.Namespace(**{**vars(args), "fixed_repeats": 2}))  # each point served twice
+    got = json.loads((tmp_path / "rows.json").read_text())
+    assert sent == [(7, 0.5)] * 4 and all(len(r["fixed_runs"]) == 2 and len(r["fixed_checks"]) == 3 for r in got)
+    assert all(r["real"]["completed"] == 14 for r in got)  # the runs' requests pooled
+    assert "| real runs |" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit, match="at least 2"):
         more.refix(argparse.Namespace(**{**vars(args), "refix": 1}))
 

@@ -12,10 +12,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
+import numpy as np  # noqa: E402
+import real_cluster_fixed as rf  # noqa: E402
 import real_cluster_lib as rc  # noqa: E402
 import real_cluster_speed as rs  # noqa: E402
 
 from flowyard.core.plan import BatchShape  # noqa: E402
+from flowyard.core.request import Request, RequestState, Status  # noqa: E402
 from flowyard.costmodel.profiled import ProfiledCostModel  # noqa: E402
 
 RUN = Path(__file__).parent.parent / "benchmarks/results/real_cluster_64"
@@ -158,18 +161,53 @@ class _Checks:
         return speed
 
 
+def _states(ttfts):
+    """Finished requests' states with these TTFTs (s) and a 0.1 s token gap after the first."""
+    out = []
+    for i, t in enumerate(ttfts):
+        s = RequestState(Request(i, arrival=float(i), prompt_len=8, output_len=3))
+        s.record_tokens(np.array([i + t, i + t + 0.1, i + t + 0.2]))
+        s.status, s.finish_time = Status.FINISHED, i + t + 0.2
+        out.append(s)
+    return out
+
+
 def test_the_fixed_point_is_checked_before_and_after_and_clocked_at_their_geometric_mean():
-    ran = []
+    ran, clocks = [], []
     check = _Checks([(1.0, (1.21, 1.44)), (1.44, (1.0, 1.0))])
-    point, row = rs.checked_fixed_point(check, lambda: ran.append(len(check.answers)) or {"ttft_p50": 1.0})
-    assert point == {"ttft_p50": 1.0} and ran == [1]  # the point runs between the two checks
-    assert row["fixed_speed"] == 1.2 and row["fixed_drift"] == [1.1, 1.2]
+    row = rf.fixed_row(check, lambda: ran.append(len(check.answers)) or _states([1.0]),
+                       lambda sp, dr: clocks.append((sp, dr)) or _states([2.0]))
+    assert ran == [1] and clocks == [(1.2, [1.1, 1.2])]  # the point runs between the two checks
+    assert row["real"]["ttft_p50"] == pytest.approx(1.0) and row["sim"]["ttft_p50"] == pytest.approx(2.0)
+    assert row["fixed_speed"] == 1.2 and row["fixed_drift"] == [1.1, 1.2] and "fixed_runs" not in row
     assert row["fixed_checks"] == [[1.0, 1.21, 1.44], [1.44, 1.0, 1.0]]
     assert rs.fixed_checks_cell(row) == "1.00× (p 1.21, d 1.44) → 1.44× (p 1.00, d 1.00)"
     assert rs.fixed_checks_cell({}) == "—"  # rows from before the checks bracketed the point
 
 
 def test_a_check_without_drift_brackets_the_fixed_point_by_speed_alone():
-    _, row = rs.checked_fixed_point(_Checks([(0.81, None), (1.0, None)]), lambda: {})
-    assert row == {"fixed_speed": 0.9, "fixed_drift": None, "fixed_checks": [[0.81], [1.0]]}
+    row = rf.fixed_row(_Checks([(0.81, None), (1.0, None)]), lambda: _states([1.0]), lambda sp, dr: _states([1.0]))
+    assert (row["fixed_speed"], row["fixed_drift"], row["fixed_checks"]) == (0.9, None, [[0.81], [1.0]])
     assert rs.fixed_checks_cell(row) == "0.81× → 1.00×"
+
+
+def test_a_point_served_k_times_pools_its_runs_and_simulates_each_at_its_own_speed():
+    """Three runs between four checks: each simulated at the mean of its two checks, P50 over
+    all nine requests, and the report shows the single runs' range beside the pooled error."""
+    served, clocks = iter([[1.0, 1.1, 1.2], [2.0, 2.1, 2.2], [3.0, 3.1, 3.2]]), []
+    row = rf.fixed_row(_Checks([(1.0, None), (1.44, None), (1.0, None), (0.81, None)]),
+                       lambda: _states(next(served)), lambda sp, dr: clocks.append(sp) or _states([2.0] * 3), 3)
+    assert clocks == [1.2, 1.2, 0.9] and len(row["fixed_checks"]) == 4
+    assert row["real"]["ttft_p50"] == pytest.approx(2.1) and row["real"]["completed"] == 9
+    assert [r["real"]["ttft_p50"] for r in row["fixed_runs"]] == pytest.approx([1.1, 2.1, 3.1])
+    assert row["fixed_speed"] == pytest.approx((1.2 * 1.2 * 0.9) ** (1 / 3), abs=1e-3)
+    assert rf.runs_cell(row, "ttft_p50") == "1100–3100" and rf.runs_cell({}, "ttft_p50") == "—"
+    row.update(executor="local", workload="w", policy="p", fixed_rate=0.5)
+    table = "\n".join(rf.fixed_table([row]))
+    assert "| real runs |" in table and "| 1100–3100 |" in table
+    again = []
+    rf.resimulate(row, lambda sp, dr: again.append(sp) or _states([4.0] * 3))  # --resim: each run at its speed
+    assert again == [1.2, 1.2, 0.9] and row["sim"]["ttft_p50"] == pytest.approx(4.0)
+    assert [r["real"]["ttft_p50"] for r in row["fixed_runs"]] == pytest.approx([1.1, 2.1, 3.1])  # kept
+    with pytest.raises(ValueError, match="at least once"):
+        rf.fixed_row(_Checks([]), list, lambda sp, dr: [], 0)
