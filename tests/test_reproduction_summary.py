@@ -107,6 +107,7 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_mixed_zen3.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_sameday.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_refix.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_mixed_zen3_repeats.md").write_text(REAL)
     vals = values(tmp_path)
     assert vals["rc-p50"] == "local 12 of 14" and vals["rc-p90"] == "local 13 of 14"
     assert vals["rc-within"] == "6 of 7" and vals["rc-tau"] == "conv-mixed 0.94, conv-short 0.44"  # every workload's

@@ -90,7 +90,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # the same host and workload again, all seven on one day with the speed checks split by kind
     "docs/results/real_cluster_conv_mixed_zen3_sameday.md": (_real_cluster, "zen3-day-"),
     # ... its fixed-rate points measured again, the machine checked before and after each (--refix)
-    "docs/results/real_cluster_conv_mixed_zen3_refix.md": (_real_cluster, "zen3-refix-")}
+    "docs/results/real_cluster_conv_mixed_zen3_refix.md": (_real_cluster, "zen3-refix-"),
+    # ... and again, each served three times and the runs' requests pooled (--fixed-repeats 3)
+    "docs/results/real_cluster_conv_mixed_zen3_repeats.md": (_real_cluster, "zen3-rep-")}
 
 
 def values(results: Path) -> dict[str, str]:
