@@ -135,6 +135,9 @@ def main() -> None:
                     help="serve the per-request fidelity point K times (with --refix too), each run between speed "
                          "checks and simulated at its own speed; P50 and P90 pool the runs' requests and the "
                          "report shows the single runs' spread (default 1)")
+    ap.add_argument("--observed-speed", action="store_true",
+                    help="with --refix: serve each fixed run on a fresh server that records a timeline, and also "
+                         "simulate it at the speed its own steps ran at (a diagnostic table beside the verdicts)")
     ap.add_argument("--out", default="docs/results/real_cluster.md")
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")

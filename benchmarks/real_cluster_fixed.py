@@ -13,6 +13,8 @@ error.
 from __future__ import annotations
 
 import math
+import statistics
+from pathlib import Path
 from typing import Callable
 
 from real_cluster_speed import fixed_checks_cell
@@ -79,6 +81,57 @@ def resimulate(row: dict, simulate: Callable[[float, list | None], list]) -> Non
         run["sim"] = point_of(states)
 
 
+def mean_context(w) -> float:
+    """The context a decode of `w` has on average: its mean prompt plus half its mean output (the
+    price of a decode run's steps, which timelines record without their shapes)."""
+    reqs = w.workload.requests
+    return statistics.mean(r.prompt_len for r in reqs) + statistics.mean(r.target_output for r in reqs) / 2
+
+
+def timeline_speed(timeline: Path, cost, decode_ctx: float) -> list[float]:
+    """[speed, prompt-bearing steps, decodes]: the medians of a served run's step durations over
+    the profile's price of the batch its timeline recorded (real_cluster_steps.step_ratios), the
+    speed the run's own steps ran at, where the checks only bracket it."""
+    from real_cluster_steps import real_steps, step_ratios  # it imports this module's importer
+
+    ratios = step_ratios(real_steps(timeline), cost, decode_ctx)
+    prompt = ratios.get("prefill", []) + ratios.get("mixed", [])
+    decode = ratios.get("decode") or prompt
+    if not decode:
+        raise ValueError(f"{timeline} records no step to take a speed from")
+    p, d = statistics.median(prompt or decode), statistics.median(decode)
+    return [round(math.sqrt(p * d), 3), round(p, 3), round(d, 3)]
+
+
+def add_observed(row: dict, speeds: list[list[float]], simulate: Callable[[float, list | None], list]) -> None:
+    """The row's runs simulated again, each at the speed its own steps ran at (`timeline_speed`,
+    one per run in order): 'sim_observed' pooled like 'sim', and the speeds in 'observed_speeds'.
+    A diagnostic, not a verdict: the clock is then fitted on the very steps whose requests are
+    compared, so what error remains is the simulator's scheduling and queueing, not the
+    machine's drift."""
+    row["observed_speeds"] = speeds
+    row["sim_observed"] = pooled([simulate(s[0], s[1:]) for s in speeds])
+
+
+def observed_table(rows: list[dict]) -> list[str]:
+    """The diagnostic table of rows simulated at their runs' own step speeds (none: nothing)."""
+    mine = [r for r in rows if r.get("sim_observed")]
+    if not mine:
+        return []
+    keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+    return ["", "### The same points simulated at the speed their own steps ran at", "",
+            "A diagnostic beside the verdicts above: each run's server recorded a timeline, and its simulated "
+            "run is clocked at the medians of its prompt-bearing steps' and decodes' durations over their "
+            "profile price (\"steps\", p and d per run). The clock is then fitted on the steps of the run it is "
+            "compared with, so these errors are what remains of the simulator's scheduling and queueing once "
+            "the machine's drift is known, not an out-of-sample prediction.", "",
+            md_table(["executor", "workload", "policy", "TTFT P50 err", "TTFT P90 err", "TPOT P50 err", "TPOT P90 err",
+                      "steps (p, d)"],
+                     [[r["executor"], r["workload"], f"`{r['policy']}`",
+                       *(_pct(_err(r["sim_observed"][k], r["real"][k])) for k in keys),
+                       ", ".join(f"{s[1]:.2f}, {s[2]:.2f}" for s in r["observed_speeds"])] for r in mine])]
+
+
 def runs_cell(row: dict, key: str) -> str:
     """The real runs' own range of `key` (ms), for the report ('—' for a point served once)."""
     runs = row.get("fixed_runs")
@@ -112,4 +165,4 @@ def fixed_table(rows: list[dict]) -> list[str]:
          f"{r['real']['tpot_p50'] * 1e3:.0f} / {r['sim']['tpot_p50'] * 1e3:.0f}",
          _pct(_err(r["sim"]["tpot_p50"], r["real"]["tpot_p50"])), *runs(r, "tpot_p50"),
          _pct(_err(r["sim"]["tpot_p90"], r["real"]["tpot_p90"])), fixed_checks_cell(r)] for r in rows]))
-    return out
+    return out + observed_table(rows)

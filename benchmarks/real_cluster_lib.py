@@ -205,17 +205,22 @@ class Server:
             self.proc.kill()
 
 
-def timeline_point(srv: "Server", timeline: Path, w: "RealWorkload", rate: float, slos: EngineSLOs) -> dict:
-    """`real_point` at `rate` on a fresh server `srv` that writes its timeline to `timeline`,
+def timeline_states(srv: "Server", timeline: Path, w: "RealWorkload", rate: float, slos: EngineSLOs) -> list:
+    """`real_states` at `rate` on a fresh server `srv` that writes its timeline to `timeline`,
     once that file exists (the server writes it as it shuts down)."""
     srv.cmd += ["--timeline", str(timeline)]
     with srv as url:
-        rp = real_point(url, w, rate, slos)
+        states = real_states(url, w, rate, slos)
     for _ in range(60):
         if timeline.exists():
             break
         time.sleep(1)
-    return rp
+    return states
+
+
+def timeline_point(srv: "Server", timeline: Path, w: "RealWorkload", rate: float, slos: EngineSLOs) -> dict:
+    """`timeline_states`' numbers."""
+    return point_of(timeline_states(srv, timeline, w, rate, slos))
 
 
 def _rows_revisions(rows: list[dict], rev: str) -> str:

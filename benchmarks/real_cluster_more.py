@@ -6,15 +6,16 @@ the simulated searches again with this revision's (`--resim`), real points untou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
 from real_cluster_fit import export_timeline, serving_scale, with_export
-from real_cluster_fixed import fixed_row, resimulate
+from real_cluster_fixed import add_observed, fixed_row, mean_context, resimulate, timeline_speed
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, real_states,
-                              run_slos, served_clock, sim_states, write_report)
+                              run_slos, served_clock, sim_states, timeline_states, write_report)
 from real_cluster_points import add_point, parse_add_rates
 from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
 
@@ -89,6 +90,7 @@ def refix(args) -> None:
     if not targets:
         sys.exit(f"real_cluster: --refix: no rows for executors {executors} in {work}/rows.json")
     model, repeats = ExperimentConfig(model=args.model).model, getattr(args, "fixed_repeats", 1)
+    observe = getattr(args, "observed_speed", False)
     for executor in dict.fromkeys(r["executor"] for r in targets):
         path = work / f"profile-{executor}.json"
         cost = ProfiledCostModel(str(path))
@@ -97,14 +99,30 @@ def refix(args) -> None:
         check = SpeedCheck(path, model, 1 if executor == "ray" else None)
         for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
             mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
-            with Server(policy, executor, path, model, work / f"serve-{policy}-{executor}-refix.log") as url:
+            log = work / f"serve-{policy}-{executor}-refix.log"
+            # observed: a fresh server per run, recording the timeline the run's step speed is read from
+            with contextlib.nullcontext() if observe else Server(policy, executor, path, model, log) as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
-                    rate = row["fixed_rate"]
-                    row.pop("fixed_runs", None)  # an earlier --refix's runs, if it served more
-                    row.update(fixed_row(check, lambda: real_states(url, w, rate, slos),
-                                         lambda sp, dr: sim_states(w, rate, policy, served_clock(path, fit, cost, sp, dr),
-                                                                   executor == "local", cost), repeats))
+                    rate, seen = row["fixed_rate"], []
+                    for k in ("fixed_runs", "sim_observed", "observed_speeds"):  # an earlier --refix's
+                        row.pop(k, None)
+
+                    def serve() -> list:
+                        if not observe:
+                            return real_states(url, w, rate, slos)
+                        timeline = work / f"timeline-{policy}-{executor}-{row['workload']}-{len(seen)}.json"
+                        states = timeline_states(Server(policy, executor, path, model, log), timeline, w, rate, slos)
+                        seen.append(timeline_speed(timeline, cost, mean_context(w)))
+                        return states
+
+                    def simulate(speed: float, drift: list | None) -> list:
+                        return sim_states(w, rate, policy, served_clock(path, fit, cost, speed, drift),
+                                          executor == "local", cost)
+
+                    row.update(fixed_row(check, serve, simulate, repeats))
+                    if observe:
+                        add_observed(row, seen, simulate)
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
                     (work / "rows.json").write_text(json.dumps(rows, indent=1))

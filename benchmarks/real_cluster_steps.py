@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from real_cluster import profile_engine
+from real_cluster_fixed import mean_context
 from real_cluster_lib import WORKLOADS, Server, engine_slos, make_workload, sim_point, timeline_point
 
 from flowyard.cluster.timeline import Timeline
@@ -134,8 +135,7 @@ def main() -> None:
     cost = ProfiledCostModel(str(prof))
     slos = engine_slos(cost, args.slo_factor)
     w = make_workload(args.workload, args.requests, slos, cost)
-    reqs = w.workload.requests
-    ctx = statistics.mean(r.prompt_len for r in reqs) + statistics.mean(r.target_output for r in reqs) / 2
+    ctx = mean_context(w)
     started, rows, ratio_rows, mix_rows, shaped = time.time(), [], [], [], [0, 0]
     for rate in rates:
         s, sim_busy, simulated, sim_kv = sim_run(w, rate, args.policy, cost)

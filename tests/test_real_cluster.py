@@ -4,6 +4,7 @@ point in the simulator and on a real `flowyard serve`, the ranking statistic and
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import urllib.request
 from pathlib import Path
@@ -197,6 +198,12 @@ def test_step_report_reads_a_served_timeline_and_prices_its_steps(tmp_path):
     # a lone step is priced at the batch shape the timeline recorded (here the decode's own
     # context), a decode run's steps, which carry none, at the context given
     assert steps[3][5] is not None and steps[1][5] is None
+    from real_cluster_fixed import timeline_speed
+
+    speed, prompt, decode = timeline_speed(tmp_path / "tl.json", LinearCost(), 100.0)  # the run's own speed
+    assert prompt == pytest.approx(statistics.median(ratios["prefill"]), abs=1e-3)
+    assert decode == pytest.approx(statistics.median(ratios["decode"]), abs=1e-3)
+    assert speed == pytest.approx((prompt * decode) ** 0.5, abs=1e-3)
     from flowyard.core.plan import BatchShape
     alone = step_ratios(steps[3:], LinearCost(), decode_ctx=9999.0)["decode"][0]
     assert alone == pytest.approx(0.1 / float(LinearCost().step_time(BatchShape(**steps[3][5]))), rel=1e-3)
@@ -313,6 +320,16 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     assert sent == [(7, 0.5)] * 4 and all(len(r["fixed_runs"]) == 2 and len(r["fixed_checks"]) == 3 for r in got)
     assert all(r["real"]["completed"] == 14 for r in got)  # the runs' requests pooled
     assert "| real runs |" in (tmp_path / "report.md").read_text()
+    servers, speeds = [], iter([[1.1, 1.2, 1.0], [1.3, 1.3, 1.3]] * 2)
+    monkeypatch.setattr(more, "Server", lambda *a, **k: servers.append(a[0]) or contextlib.nullcontext("http://x"))
+    monkeypatch.setattr(more, "timeline_states", lambda srv, tl, w, rate, slos: served(None, w, rate, slos))
+    monkeypatch.setattr(more, "timeline_speed", lambda tl, cost, ctx: next(speeds))
+    more.refix(argparse.Namespace(**{**vars(args), "fixed_repeats": 2, "observed_speed": True}))
+    got = json.loads((tmp_path / "rows.json").read_text())
+    assert servers == ["vllm", "vllm", "flowyard", "flowyard"]  # a fresh server, with a timeline, per run
+    assert all(r["observed_speeds"] == [[1.1, 1.2, 1.0], [1.3, 1.3, 1.3]] and r["sim_observed"]["completed"] == 14
+               for r in got)
+    assert "speed their own steps ran at" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit, match="at least 2"):
         more.refix(argparse.Namespace(**{**vars(args), "refix": 1}))
 
