@@ -71,14 +71,17 @@ def fixed_row(check, serve: Callable[[], list], simulate: Callable[[float, list 
 
 
 def resimulate(row: dict, simulate: Callable[[float, list | None], list]) -> None:
-    """A row's simulated fixed point again, each run at the speed recorded for it (`--resim`);
-    the real runs stay as they were measured."""
+    """A row's simulated fixed point again, each run at the speed recorded for it (and from its
+    steps' speeds where they were read, `add_observed`), for `--resim`; the real runs stay as
+    they were measured."""
     runs = row.get("fixed_runs") or []
     speeds = [r["speed"] for r in runs] or [[row.get("fixed_speed", 1.0), *(row.get("fixed_drift") or [])]]
     sims = [simulate(s[0], s[1:] if len(s) == 3 else None) for s in speeds]
     row["sim"] = pooled(sims)
     for run, states in zip(runs, sims):
         run["sim"] = point_of(states)
+    if row.get("observed_speeds"):
+        add_observed(row, row["observed_speeds"], simulate)
 
 
 def mean_context(w) -> float:
@@ -103,32 +106,48 @@ def timeline_speed(timeline: Path, cost, decode_ctx: float) -> list[float]:
     return [round(math.sqrt(p * d), 3), round(p, 3), round(d, 3)]
 
 
+def other_runs(speeds: list[list[float]], i: int) -> list[float]:
+    """The geometric mean, kind by kind, of every run's step speed but the i-th's."""
+    rest = [s for j, s in enumerate(speeds) if j != i]
+    return [round(math.exp(statistics.fmean(math.log(s[k]) for s in rest)), 3) for k in range(len(rest[0]))]
+
+
 def add_observed(row: dict, speeds: list[list[float]], simulate: Callable[[float, list | None], list]) -> None:
-    """The row's runs simulated again, each at the speed its own steps ran at (`timeline_speed`,
-    one per run in order): 'sim_observed' pooled like 'sim', and the speeds in 'observed_speeds'.
-    A diagnostic, not a verdict: the clock is then fitted on the very steps whose requests are
-    compared, so what error remains is the simulator's scheduling and queueing, not the
-    machine's drift."""
+    """The row's runs simulated again from the speeds their steps ran at (`timeline_speed`, one
+    per run in order, kept in 'observed_speeds'). 'sim_observed': each run at its own, a
+    diagnostic, since the clock is then fitted on the very steps whose requests are compared (what
+    error remains is the simulator's scheduling and queueing, not the machine's drift).
+    'sim_loro' (two runs or more): each run at the other runs' speeds, leave one run out, so
+    the clock comes from served steps of the same point, as a check's does not, and still from
+    none of the run it predicts."""
     row["observed_speeds"] = speeds
     row["sim_observed"] = pooled([simulate(s[0], s[1:]) for s in speeds])
+    if len(speeds) > 1:
+        row["sim_loro"] = pooled([simulate(o[0], o[1:]) for o in (other_runs(speeds, i) for i in range(len(speeds)))])
 
 
 def observed_table(rows: list[dict]) -> list[str]:
-    """The diagnostic table of rows simulated at their runs' own step speeds (none: nothing)."""
+    """The rows simulated from their runs' step speeds (none: nothing): each run at its own, and
+    where there are two runs or more, at the others'."""
     mine = [r for r in rows if r.get("sim_observed")]
     if not mine:
         return []
     keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
-    return ["", "### The same points simulated at the speed their own steps ran at", "",
-            "A diagnostic beside the verdicts above: each run's server recorded a timeline, and its simulated "
-            "run is clocked at the medians of its prompt-bearing steps' and decodes' durations over their "
-            "profile price (\"steps\", p and d per run). The clock is then fitted on the steps of the run it is "
-            "compared with, so these errors are what remains of the simulator's scheduling and queueing once "
-            "the machine's drift is known, not an out-of-sample prediction.", "",
-            md_table(["executor", "workload", "policy", "TTFT P50 err", "TTFT P90 err", "TPOT P50 err", "TPOT P90 err",
-                      "steps (p, d)"],
+
+    def errs(r: dict, sim: str) -> list[str]:
+        return [_pct(_err(r[sim][k], r["real"][k])) if sim in r else "—" for k in keys]
+
+    return ["", "### The same points clocked at the speed served steps ran at", "",
+            "Each run's server recorded a timeline; a run's step speed is the median of its prompt-bearing "
+            "steps' and of its decodes' durations over their profile price (\"steps\", p and d per run). "
+            "\"Own\" clocks each simulated run at its own run's speeds: fitted on the steps of the very run it "
+            "is compared with, it is a diagnostic of what remains of the simulator's scheduling and queueing "
+            "once the machine's drift is known. \"Others\" clocks each at the geometric mean of the other "
+            "runs' speeds (leave one run out): served steps of the same point, none of the run it predicts.", "",
+            md_table(["executor", "workload", "policy", *(f"{k.replace('_', ' ').upper()} err own / others"
+                                                          for k in keys), "steps (p, d)"],
                      [[r["executor"], r["workload"], f"`{r['policy']}`",
-                       *(_pct(_err(r["sim_observed"][k], r["real"][k])) for k in keys),
+                       *(f"{a} / {b}" for a, b in zip(errs(r, "sim_observed"), errs(r, "sim_loro"))),
                        ", ".join(f"{s[1]:.2f}, {s[2]:.2f}" for s in r["observed_speeds"])] for r in mine])]
 
 

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import real_cluster_fixed as rf  # noqa: E402
 import real_cluster_lib as rc  # noqa: E402
 import real_cluster_speed as rs  # noqa: E402
+import real_cluster_verdicts as rv  # noqa: E402
 
 from flowyard.core.plan import BatchShape  # noqa: E402
 from flowyard.core.request import Request, RequestState, Status  # noqa: E402
@@ -211,3 +212,24 @@ def test_a_point_served_k_times_pools_its_runs_and_simulates_each_at_its_own_spe
     assert [r["real"]["ttft_p50"] for r in row["fixed_runs"]] == pytest.approx([1.1, 2.1, 3.1])  # kept
     with pytest.raises(ValueError, match="at least once"):
         rf.fixed_row(_Checks([]), list, lambda sp, dr: [], 0)
+
+
+def test_served_step_speeds_clock_each_run_at_its_own_and_leaving_it_out_at_the_others():
+    """`--observed-speed`: each run simulated at its own steps' speeds (a diagnostic) and at the
+    geometric mean of the other runs' (leave one run out: no step of the run it predicts)."""
+    clocks: list = []
+    speeds = [[1.0, 1.0, 1.0], [1.21, 1.1, 1.331], [1.44, 1.2, 1.728]]
+    row = {"executor": "local", "workload": "w", "policy": "p", "fixed_rate": 0.5,
+           "real": rf.pooled([_states([1.2] * 3)]), "sim": rf.pooled([_states([1.0] * 3)])}
+    rf.add_observed(row, speeds, lambda sp, dr: clocks.append((sp, dr)) or _states([sp]))
+    assert [c[0] for c in clocks[:3]] == [1.0, 1.21, 1.44] and clocks[1][1] == [1.1, 1.331]
+    assert clocks[3][0] == pytest.approx(1.32, abs=1e-3) and clocks[3][1] == pytest.approx([1.149, 1.517], abs=1e-3)
+    assert row["sim_observed"]["ttft_p50"] == pytest.approx(1.21) and row["sim_loro"]["ttft_p50"] == pytest.approx(1.2)
+    table = "\n".join(rf.fixed_table([row]))
+    assert "TTFT P50 err own / others" in table and "| +1% / +0% |" in table
+    assert "1.10, 1.33" in table  # each run's (p, d)
+    lines = rv.verdicts([{**row, "real_goodput": 1.0, "sim_goodput": 1.0, "real_curve": [[1.0, 1.0], [2.0, 0.5]]}], 1)
+    assert any("leave one run out): P50 within 15 %: 2 of 2" in line for line in lines)
+    one = {k: v for k, v in row.items() if k != "sim_loro"}
+    rf.add_observed(one, speeds[:1], lambda sp, dr: _states([sp]))
+    assert "sim_observed" in one and "sim_loro" not in one  # a single run has no others to clock it
