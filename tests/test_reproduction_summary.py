@@ -108,11 +108,17 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_mixed_zen3_sameday.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_refix.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_repeats.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_mixed_zen3_observed.md").write_text(REAL + "- local: per-request, each run clocked at "
+                                                                       "the other runs' served step speeds (leave one run "
+                                                                       "out): P50 within 15 %: 11 of 14; P90 within 25 %: "
+                                                                       "12 of 14\n")
     vals = values(tmp_path)
     assert vals["rc-p50"] == "local 12 of 14" and vals["rc-p90"] == "local 13 of 14"
     assert vals["rc-within"] == "6 of 7" and vals["rc-tau"] == "conv-mixed 0.94, conv-short 0.44"  # every workload's
     assert vals["rc-ratio"] == "conv-mixed 1.26×–1.79×, conv-short 0.71×–1.01× (over 1 of 6 others)"
     assert vals["ray-rc-p50"] == "not measured"  # a report without the lines says so
+    assert vals["zen3-obs-rc-loro-p50"] == "local 11 of 14" and vals["zen3-obs-rc-loro-p90"] == "local 12 of 14"
+    assert vals["rc-loro-p50"] == "not measured"
     assert vals["ray-rc-ratio"] == "conv-mixed 0.00×–1.94×" and vals["ray-rc-inside"] == "1 of 2"
     assert vals["fid-cv-median"] == "11.4 %" and vals["fid-cv-max"] == "78.7 %"
     assert vals["fid-points"] == "81" and vals["fid-sources"] == "7"

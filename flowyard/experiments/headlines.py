@@ -48,10 +48,14 @@ def _real_cluster(md: str) -> dict[str, str]:
                         r"(\d+ of \d+) cells", md, re.M)
     taus = [f"{w} {t}" for line in re.findall(r"^- (?:local|ray): Kendall τ [^:]*: (.*)$", md, re.M)
             for w, t in re.findall(r"([a-z-]+) ([\d.-]+) over", line)]
+    loro = re.findall(r"^- (local|ray): per-request, each run clocked at the other runs' served step speeds "
+                      r"\(leave one run out\): P50 within 15 %: (\d+ of \d+); P90 within 25 %: (\d+ of \d+)", md, re.M)
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}",
             "rc-within": ", ".join(within) or "not measured", "rc-tau": ", ".join(taus) or "not measured",
             "rc-p50": ", ".join(f"{ex} {a}" for ex, a, _ in p50) or "not measured",
-            "rc-p90": ", ".join(f"{ex} {b}" for ex, _, b in p50) or "not measured"}
+            "rc-p90": ", ".join(f"{ex} {b}" for ex, _, b in p50) or "not measured",
+            "rc-loro-p50": ", ".join(f"{ex} {a}" for ex, a, _ in loro) or "not measured",
+            "rc-loro-p90": ", ".join(f"{ex} {b}" for ex, _, b in loro) or "not measured"}
 
 
 def _scale(md: str) -> dict[str, str]:
@@ -92,7 +96,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # ... its fixed-rate points measured again, the machine checked before and after each (--refix)
     "docs/results/real_cluster_conv_mixed_zen3_refix.md": (_real_cluster, "zen3-refix-"),
     # ... and again, each served three times and the runs' requests pooled (--fixed-repeats 3)
-    "docs/results/real_cluster_conv_mixed_zen3_repeats.md": (_real_cluster, "zen3-rep-")}
+    "docs/results/real_cluster_conv_mixed_zen3_repeats.md": (_real_cluster, "zen3-rep-"),
+    # ... and again, each run on a fresh server with a timeline, also clocked from served steps
+    "docs/results/real_cluster_conv_mixed_zen3_observed.md": (_real_cluster, "zen3-obs-")}
 
 
 def values(results: Path) -> dict[str, str]:
