@@ -297,8 +297,10 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
     lines += added_note(rows)
     lines += ["", "## Per-request fidelity at a fixed rate", ""]
     if meta.get("fixed_revision"):  # --refix measured every row's point again, after the searches
-        lines += [f"Every row's point measured again with {meta['fixed_requests']} requests (`--refix`) at "
-                  f"{meta['fixed_revision']}, {meta.get('fixed_at', 'time not recorded')}.", ""]
+        k = meta.get("fixed_repeats") or 1
+        lines += [f"Every row's point measured again with {meta['fixed_requests']} requests (`--refix`)"
+                  + (f", served {k} times," if k > 1 else "") + f" at {meta['fixed_revision']}, "
+                  f"{meta.get('fixed_at', 'time not recorded')}.", ""]
     lines += fixed_table(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

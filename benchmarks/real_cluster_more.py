@@ -100,20 +100,21 @@ def refix(args) -> None:
         for policy in dict.fromkeys(r["policy"] for r in targets if r["executor"] == executor):
             mine = [r for r in targets if r["executor"] == executor and r["policy"] == policy]
             log = work / f"serve-{policy}-{executor}-refix.log"
-            # observed: a fresh server per run, recording the timeline the run's step speed is read from
+            # observed: a fresh server per run (below), recording the timeline its step speed is read from
             with contextlib.nullcontext() if observe else Server(policy, executor, path, model, log) as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
                     rate, seen = row["fixed_rate"], []
-                    for k in ("fixed_runs", "sim_observed", "observed_speeds"):  # an earlier --refix's
+                    for k in ("fixed_runs", "sim_observed", "sim_loro", "observed_speeds"):  # an earlier --refix's
                         row.pop(k, None)
 
                     def serve() -> list:
                         if not observe:
                             return real_states(url, w, rate, slos)
-                        timeline = work / f"timeline-{policy}-{executor}-{row['workload']}-{len(seen)}.json"
-                        states = timeline_states(Server(policy, executor, path, model, log), timeline, w, rate, slos)
-                        seen.append(timeline_speed(timeline, cost, mean_context(w)))
+                        run = f"{policy}-{executor}-{row['workload']}-{len(seen)}"
+                        states = timeline_states(Server(policy, executor, path, model, work / f"serve-{run}-refix.log"),
+                                                 work / f"timeline-{run}.json", w, rate, slos)
+                        seen.append(timeline_speed(work / f"timeline-{run}.json", cost, mean_context(w)))
                         return states
 
                     def simulate(speed: float, drift: list | None) -> list:

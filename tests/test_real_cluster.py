@@ -319,7 +319,8 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     got = json.loads((tmp_path / "rows.json").read_text())
     assert sent == [(7, 0.5)] * 4 and all(len(r["fixed_runs"]) == 2 and len(r["fixed_checks"]) == 3 for r in got)
     assert all(r["real"]["completed"] == 14 for r in got)  # the runs' requests pooled
-    assert "| real runs |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| real runs |" in report and "with 7 requests (`--refix`), served 2 times, at " in report
     servers, speeds = [], iter([[1.1, 1.2, 1.0], [1.3, 1.3, 1.3]] * 2)
     monkeypatch.setattr(more, "Server", lambda *a, **k: servers.append(a[0]) or contextlib.nullcontext("http://x"))
     monkeypatch.setattr(more, "timeline_states", lambda srv, tl, w, rate, slos: served(None, w, rate, slos))
