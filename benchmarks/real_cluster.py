@@ -171,6 +171,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.fixed_repeats < 1:
         sys.exit(f"real_cluster: --fixed-repeats must be at least 1, got {args.fixed_repeats}")
+    if args.observed_speed and args.refix is None:
+        sys.exit("real_cluster: --observed-speed serves fixed points on fresh timeline servers, which only --refix "
+                 "does; add --refix N (with --work-dir of a finished run)")
     if args.render_only:
         if args.work_dir is None or not (Path(args.work_dir) / "rows.json").exists():
             sys.exit("real_cluster: --render-only needs a --work-dir with rows.json from an earlier run")

@@ -444,3 +444,15 @@ def test_drift_sensitivity_reports_each_policy_under_a_drifted_clock(tiny, tmp_p
     for bad in ("1.2", "a/b", "0/1"):
         with pytest.raises(ValueError, match="--drifts"):
             ds.parse_drifts(bad)
+
+
+@pytest.mark.parametrize("argv, message", [(["--fixed-repeats", "0"], "--fixed-repeats must be at least 1"),
+                                           (["--observed-speed"], "--observed-speed .* only --refix")])
+def test_flags_that_cannot_work_are_refused_with_what_is_wrong(monkeypatch, argv, message):
+    """A fixed point served no times, or read from timelines the main run does not record, is a
+    clear error before anything is measured, never a silently ignored flag."""
+    import real_cluster as script
+
+    monkeypatch.setattr(sys, "argv", ["real_cluster.py", *argv])
+    with pytest.raises(SystemExit, match=message):
+        script.main()
