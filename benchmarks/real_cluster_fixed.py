@@ -36,8 +36,9 @@ def pooled(runs: list[list]) -> dict:
     return point_of([s for run in runs for s in run])
 
 
-def _geo(a: list[float], b: list[float]) -> list[float]:
-    return [round(math.sqrt(x * y), 3) for x, y in zip(a, b)]
+def geomean(speeds: list[list[float]]) -> list[float]:
+    """The geometric mean, kind by kind, of speed vectors ([speed, prompt steps, decodes])."""
+    return [round(math.exp(statistics.fmean(math.log(s[k]) for s in speeds)), 3) for k in range(len(speeds[0]))]
 
 
 def checked_now(check) -> list[float]:
@@ -60,9 +61,9 @@ def fixed_row(check, serve: Callable[[], list], simulate: Callable[[float, list 
     for _ in range(repeats):
         real.append(serve())
         checks.append(checked_now(check))
-    speeds = [_geo(a, b) for a, b in zip(checks, checks[1:])]
+    speeds = [geomean([a, b]) for a, b in zip(checks, checks[1:])]
     sim = [simulate(s[0], s[1:] if len(s) == 3 else None) for s in speeds]
-    overall = [round(math.exp(sum(math.log(s[i]) for s in speeds) / len(speeds)), 3) for i in range(len(speeds[0]))]
+    overall = geomean(speeds)
     row = {"real": pooled(real), "sim": pooled(sim), "fixed_speed": overall[0],
            "fixed_drift": overall[1:] if len(overall) == 3 else None, "fixed_checks": checks}
     if repeats > 1:
@@ -108,8 +109,7 @@ def timeline_speed(timeline: Path, cost, decode_ctx: float) -> list[float]:
 
 def other_runs(speeds: list[list[float]], i: int) -> list[float]:
     """The geometric mean, kind by kind, of every run's step speed but the i-th's."""
-    rest = [s for j, s in enumerate(speeds) if j != i]
-    return [round(math.exp(statistics.fmean(math.log(s[k]) for s in rest)), 3) for k in range(len(rest[0]))]
+    return geomean([s for j, s in enumerate(speeds) if j != i])
 
 
 def add_observed(row: dict, speeds: list[list[float]], simulate: Callable[[float, list | None], list]) -> None:
