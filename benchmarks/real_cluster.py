@@ -23,6 +23,7 @@ configuration, and judges the issue's targets from the numbers it prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,11 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, Server, engine_slos,  # noqa: E402
-                              fixed_workload, make_workload, real_states, run_slos,
-                              served_clock, sim_point, sim_states, write_report)
-from real_cluster_fixed import fixed_row  # noqa: E402
-from real_cluster_speed import SpeedCheck, checked_point, row_drift, row_speed  # noqa: E402
+from real_cluster_lib import (POLICIES, WORKLOADS, ExperimentConfig, engine_slos,  # noqa: E402
+                              fixed_workload, make_workload, run_slos, sim_point, write_report)
+from real_cluster_speed import SpeedCheck  # noqa: E402
 
 from flowyard.experiments.provenance import machine  # noqa: E402
 from flowyard.experiments.report import source_revision  # noqa: E402
@@ -118,6 +117,7 @@ def sim_table(ws: dict, policies: list[str], cost, executor: str) -> str:
 
 from real_cluster_fit import fit_serving_run  # noqa: E402
 from real_cluster_more import add_rates, refix, resim  # noqa: E402  (they use profile_engine above)
+from real_cluster_row import RowSetup, measure_row  # noqa: E402  (it uses search above)
 
 
 def main() -> None:
@@ -136,8 +136,9 @@ def main() -> None:
                          "checks and simulated at its own speed; P50 and P90 pool the runs' requests and the "
                          "report shows the single runs' spread (default 1)")
     ap.add_argument("--observed-speed", action="store_true",
-                    help="with --refix: serve each fixed run on a fresh server that records a timeline, and also "
-                         "simulate it at the speed its own steps ran at (a diagnostic table beside the verdicts)")
+                    help="serve every real point on a fresh server that records a timeline, and simulate each row "
+                         "again clocked at the speeds its served steps ran at, never the predicted point's own "
+                         "(real_cluster_observed.py); with --refix, its fixed runs only")
     ap.add_argument("--out", default="docs/results/real_cluster.md")
     ap.add_argument("--work-dir", default=None, help="profiles and per-run JSON (default: a temp dir); "
                                                      "rerunning with the same one resumes")
@@ -171,9 +172,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.fixed_repeats < 1:
         sys.exit(f"real_cluster: --fixed-repeats must be at least 1, got {args.fixed_repeats}")
-    if args.observed_speed and args.refix is None:
-        sys.exit("real_cluster: --observed-speed serves fixed points on fresh timeline servers, which only --refix "
-                 "does; add --refix N (with --work-dir of a finished run)")
     if args.render_only:
         if args.work_dir is None or not (Path(args.work_dir) / "rows.json").exists():
             sys.exit("real_cluster: --render-only needs a --work-dir with rows.json from an earlier run")
@@ -266,33 +264,21 @@ def main() -> None:
             pcost = ProfiledCostModel(str(pol_path))
             fit, pcheck = serving.get(executor), check.against(pol_path)
             speed = machine_speed(pcost, cost)
-            with Server(policy, executor, pol_path, cfg.model, work / f"serve-{policy}-{executor}.log") as url:
+            setup = RowSetup(policy, executor, pol_path, pcost, fit, pcheck, cfg.model, work, cfg.evals,
+                             args.fixed_repeats, args.observed_speed)
+            # observed: a fresh server per point (real_cluster_row), recording the timeline its speed is read from
+            with contextlib.nullcontext() if setup.observe else setup.server(f"{policy}-{executor}") as url:
                 for name, w in ws.items():
                     if (executor, policy, name) in have:
                         continue
-                    shared = executor == "local"
-                    sim = sim_search(w, policy, served_clock(pol_path, fit, pcost), shared, pcost)
-                    guess = sim.goodput if sim.goodput > 0 else w.guess
-                    speeds: list[list[float]] = []  # [rate, the machine's speed right before it]
-                    drifts: list[list[float]] = []  # [rate, prompt steps' speed, decodes' speed]
-                    real = search(lambda r: checked_point(pcheck, speeds, r, url, w, slos, drifts)["attainment"],
-                                  guess, cfg.evals, policy)
-                    row = {"real_speeds": speeds, "real_drifts": drifts}
-                    if row_speed(row) != 1.0:  # the simulated search again, on the machine the real one ran on
-                        sim = sim_search(w, policy, served_clock(pol_path, fit, pcost, row_speed(row), row_drift(row)),
-                                         shared, pcost)
-                    fixed, fw = w.fixed_rate, fixed_ws[name]
-                    row.update(fixed_row(pcheck, lambda: real_states(url, fw, fixed, slos),
-                                         lambda sp, dr: sim_states(fw, fixed, policy, served_clock(
-                                             pol_path, fit, pcost, sp, dr), shared, pcost), args.fixed_repeats))
+                    row = measure_row(setup, name, w, fixed_ws[name], slos, url)
                     rows.append({**row, "executor": executor, "policy": policy, "workload": name,
-                                 "real_goodput": real.goodput, "sim_goodput": sim.goodput,
-                                 "real_curve": real.curve, "sim_curve": sim.curve, "fixed_rate": fixed,
+                                 "fixed_rate": w.fixed_rate,
                                  "revision": source_revision(),
                                  "profile": pol_path.name, "step_price_vs_slo_profile": speed,
                                  "profile_age_min": round(age_min, 1), "sim_tol": SIM_TOL})
-                    print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {real.goodput:.3f} "
-                          f"sim {sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
+                    print(f"{executor:>5} {policy:>12} {name:>11}: goodput real {row['real_goodput']:.3f} "
+                          f"sim {row['sim_goodput']:.3f} req/s", file=sys.stderr, flush=True)
             (work / "rows.json").write_text(json.dumps(rows, indent=1))
     if args.sim_only:
         return

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from real_cluster_fixed import fixed_table, point_of
+from real_cluster_observed import served_section
 from real_cluster_points import added_note
 from real_cluster_speed import speed_cell
 from real_cluster_verdicts import _err, _pct, bracket, distance, kendall_tau, verdicts  # noqa: F401
@@ -302,6 +303,7 @@ def write_report(rows: list[dict], meta: dict, path: Path) -> Path:
                   + (f", served {k} times," if k > 1 else "") + f" at {meta['fixed_revision']}, "
                   f"{meta.get('fixed_at', 'time not recorded')}.", ""]
     lines += fixed_table(rows)
+    lines += served_section(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -15,7 +15,8 @@ from pathlib import Path
 from real_cluster_fit import export_timeline, serving_scale, with_export
 from real_cluster_fixed import add_observed, fixed_row, mean_context, resimulate, timeline_speed
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, real_states,
-                              run_slos, served_clock, sim_states, timeline_states, write_report)
+                              run_slos, served_clock, sim_point, sim_states, timeline_states, write_report)
+from real_cluster_observed import add_served_clock, served_fixed_point
 from real_cluster_points import add_point, parse_add_rates
 from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
 
@@ -124,6 +125,7 @@ def refix(args) -> None:
                     row.update(fixed_row(check, serve, simulate, repeats))
                     if observe:
                         add_observed(row, seen, simulate)
+                    served_fixed_point(row, simulate)  # at the search's served steps, where it recorded them
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
                     (work / "rows.json").write_text(json.dumps(rows, indent=1))
@@ -192,8 +194,18 @@ def resim(args) -> None:
         fixed = fixed_workload(row["workload"], meta.get("fixed_requests") or meta["requests_per_point"],
                                row["fixed_rate"], slos, slo_cost)
         row.update(sim_goodput=sim.goodput, sim_curve=sim.curve, sim_tol=SIM_TOL)
-        resimulate(row, lambda sp, dr: sim_states(fixed, row["fixed_rate"], row["policy"],
-                                                  served_clock(path, fit, pcost, sp, dr), executor == "local", pcost))
+        shared = executor == "local"
+
+        def clocked(sp: float, dr) -> object:
+            return served_clock(path, fit, pcost, sp, dr)
+
+        def fixed_at(sp: float, dr) -> list:
+            return sim_states(fixed, row["fixed_rate"], row["policy"], clocked(sp, dr), shared, pcost)
+
+        resimulate(row, fixed_at)
+        add_served_clock(row, lambda sp, dr: sim_search(w, row["policy"], clocked(sp, dr), shared, pcost),
+                         lambda r, sp, dr: sim_point(w, r, row["policy"], clocked(sp, dr), shared, pcost)["attainment"],
+                         fixed_at)
         print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: simulated goodput {before:.3f} -> "
               f"{sim.goodput:.3f} req/s", file=sys.stderr, flush=True)
     (work / "rows.json").write_text(json.dumps(rows, indent=1))

@@ -154,15 +154,13 @@ def row_speed(row: dict) -> float:
     return statistics.median(speeds) if speeds else 1.0
 
 
-def checked_point(check, speeds: list, rate: float, url: str, w, slos, drifts: list | None = None) -> dict:
-    """A real point at `rate`, the machine's speed measured right before it (kept in `speeds`,
-    and its drift by kind of step in `drifts`)."""
-    from real_cluster_lib import real_point
-
+def checked_point(check, speeds: list, rate: float, serve, drifts: list | None = None) -> dict:
+    """`serve(rate)`, a real point's numbers, with the machine's speed measured right before it
+    (kept in `speeds`, and its drift by kind of step in `drifts`)."""
     speeds.append([rate, check()])
     if drifts is not None and check.last_drift is not None:
         drifts.append([rate, *check.last_drift])
-    return real_point(url, w, rate, slos)
+    return serve(rate)
 
 
 def fixed_checks_cell(row: dict) -> str:

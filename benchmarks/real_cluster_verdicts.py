@@ -99,24 +99,45 @@ def _x(v: float) -> str:
     return "∞" if not math.isfinite(v) else f"{v:.2f}×"
 
 
+def _taus(mine: list[dict], key: str = "sim_goodput") -> list[tuple[str, float, int, int]]:
+    """(workload, τ, pairs ordered, pairs) for each workload of three policies or more whose rows
+    all have the simulated goodput `key`."""
+    out = []
+    for wl in sorted({r["workload"] for r in mine}):
+        cell = [r for r in mine if r["workload"] == wl]
+        if len(cell) >= 3 and all(key in r for r in cell):
+            out.append((wl, *resolved_tau([bracket(r) for r in cell], [r[key] for r in cell])))
+    return out
+
+
+def _tau_line(taus: list[tuple[str, float, int, int]]) -> str:
+    ok = all(t >= 0.7 for _, t, n, _ in taus if n)
+    some = any(n for _, _, n, _ in taus)
+    return (", ".join(f"{w} {t:.2f} over {n} of {m} pairs" if n else f"{w} no pair ordered" for w, t, n, m in taus)
+            + f" — target ≥ 0.7 per workload: {('met on the ordered pairs' if ok else 'not met') if some else 'undecided'}")
+
+
+def _fid_line(mine: list[dict], key: str = "sim_goodput") -> str:
+    fid = {"within": 0, "off": 0, "undecided": 0}
+    for r in mine:
+        fid[sim_vs_real(r[key], *bracket(r))] += 1
+    return (f"{fid['within']} of {len(mine)} cells; off by more than 20 %: {fid['off']}; "
+            f"undecided (bracket too wide): {fid['undecided']}")
+
+
 def verdicts(rows: list[dict], expected: int = 7) -> list[str]:
     """The issue's targets, judged from the rows' brackets (no data: 'not measured');
     `expected` policies make a complete workload."""
     out = []
     for ex in sorted({r["executor"] for r in rows}):
         mine = [r for r in rows if r["executor"] == ex]
-        wins, taus, fid = [], [], {"within": 0, "off": 0, "undecided": 0}
+        wins = []
         for wl in sorted({r["workload"] for r in mine}):
             cell = {r["policy"]: r for r in mine if r["workload"] == wl}
             fy = cell.get("flowyard")
             others = [bracket(r) for p, r in cell.items() if p != "flowyard"]
             if fy is not None and others and max(hi for _, hi in others) > 0:
                 wins.append((wl, *ratio_bounds(bracket(fy), others), len(cell)))
-            if len(cell) >= 3:
-                taus.append((wl, *resolved_tau([bracket(r) for r in cell.values()],
-                                               [r["sim_goodput"] for r in cell.values()])))
-            for r in cell.values():
-                fid[sim_vs_real(r["sim_goodput"], *bracket(r))] += 1
         if wins:  # "best other" means every other policy: a workload with some unmeasured cannot meet it
             met = any(lo >= 1.2 and n >= expected for _, lo, _, n in wins)
             partial = any(lo >= 1.2 for _, lo, _, _ in wins)
@@ -131,23 +152,33 @@ def verdicts(rows: list[dict], expected: int = 7) -> list[str]:
                        + f" — target ≥ 1.2× on one workload: {verdict}")
         else:
             out.append(f"- {ex}: flowyard / best other real goodput: not measured")
-        if taus:
-            ok = all(t >= 0.7 for _, t, n, _ in taus if n)
-            some = any(n for _, _, n, _ in taus)
-            out.append(f"- {ex}: Kendall τ (simulated ranking vs the pairs the real brackets order): "
-                       + ", ".join(f"{w} {t:.2f} over {n} of {m} pairs" if n else f"{w} no pair ordered"
-                                   for w, t, n, m in taus)
-                       + f" — target ≥ 0.7 per workload: {('met on the ordered pairs' if ok else 'not met') if some else 'undecided'}")
-        else:
-            out.append(f"- {ex}: Kendall τ: not measured")
-        out.append(f"- {ex}: simulated goodput within 20 % of every real value its bracket allows: "
-                   f"{fid['within']} of {len(mine)} cells; off by more than 20 %: {fid['off']}; "
-                   f"undecided (bracket too wide): {fid['undecided']}")
+        taus = _taus(mine)
+        out.append(f"- {ex}: Kendall τ (simulated ranking vs the pairs the real brackets order): {_tau_line(taus)}"
+                   if taus else f"- {ex}: Kendall τ: not measured")
+        out.append(f"- {ex}: simulated goodput within 20 % of every real value its bracket allows: {_fid_line(mine)}")
         out.append(f"- {ex}: per-request {_within(mine, 'sim')}")
         loro = [r for r in mine if r.get("sim_loro")]
         if loro:
             out.append(f"- {ex}: per-request, each run clocked at the other runs' served step speeds (leave one "
                        f"run out): {_within(loro, 'sim_loro')}")
+        out += _served_lines(ex, mine)
+    return out
+
+
+def _served_lines(ex: str, mine: list[dict]) -> list[str]:
+    """The targets again with the simulator clocked by the served steps (`--observed-speed`)."""
+    served = [r for r in mine if "sim_goodput_served" in r]
+    out = []
+    if served:
+        taus = _taus(served, "sim_goodput_served")
+        out.append(f"- {ex}, clocked by the served steps of the row's other real points (leave the bracket out): "
+                   f"simulated goodput within 20 % of every real value its bracket allows: "
+                   f"{_fid_line(served, 'sim_goodput_served')}"
+                   + (f"; Kendall τ {_tau_line(taus)}" if taus else ""))
+    fixed = [r for r in mine if r.get("sim_served")]
+    if fixed:
+        out.append(f"- {ex}: per-request, clocked at the search points' served step speeds: "
+                   f"{_within(fixed, 'sim_served')}")
     return out
 
 

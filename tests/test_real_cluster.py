@@ -446,13 +446,57 @@ def test_drift_sensitivity_reports_each_policy_under_a_drifted_clock(tiny, tmp_p
             ds.parse_drifts(bad)
 
 
-@pytest.mark.parametrize("argv, message", [(["--fixed-repeats", "0"], "--fixed-repeats must be at least 1"),
-                                           (["--observed-speed"], "--observed-speed .* only --refix")])
+@pytest.mark.parametrize("argv, message", [(["--fixed-repeats", "0"], "--fixed-repeats must be at least 1")])
 def test_flags_that_cannot_work_are_refused_with_what_is_wrong(monkeypatch, argv, message):
-    """A fixed point served no times, or read from timelines the main run does not record, is a
-    clear error before anything is measured, never a silently ignored flag."""
+    """A fixed point served no times is a clear error before anything is measured."""
     import real_cluster as script
 
     monkeypatch.setattr(sys, "argv", ["real_cluster.py", *argv])
     with pytest.raises(SystemExit, match=message):
         script.main()
+
+
+def test_observed_speed_serves_every_point_fresh_and_simulates_the_row_from_other_points_steps(tiny, tmp_path,
+                                                                                                 monkeypatch):
+    """`real_cluster.py --observed-speed`: each real point of a row (search rates and fixed runs)
+    on its own timeline server; the row keeps every point's step speed and is simulated again
+    from them, and the report says how."""
+    import real_cluster_observed as ro
+    import real_cluster_row as rr
+
+    _, path, cost = tiny
+    slos = rc.engine_slos(cost)
+    w = rc.make_workload("conv-mixed", 6, slos, cost)
+    fw = rc.fixed_workload("conv-mixed", 4, w.fixed_rate, slos, cost)
+    served: list = []
+
+    def timeline_states(srv, timeline, work, rate, slos):  # a "real" run: the simulator's, with a timeline
+        served.append((srv.cmd[srv.cmd.index("--policy") + 1], len(work.workload.requests), rate))
+        timeline.write_text("{}")
+        return rc.sim_states(work, rate, "vllm", cost, True)
+
+    monkeypatch.setattr(rc, "timeline_states", timeline_states)
+    speeds = iter([[1.0 + 0.1 * i, 1.0, 1.0 + 0.2 * i] for i in range(20)])
+    monkeypatch.setattr(ro, "timeline_speed", lambda tl, c, ctx: next(speeds))
+
+    class Check:
+        last_drift = (1.3, 1.1)
+
+        def __call__(self) -> float:
+            return 1.2
+
+    setup = rr.RowSetup("flowyard", "local", path, cost, None, Check(), None, tmp_path, 3, 2, True)
+    row = rr.measure_row(setup, "conv-mixed", w, fw, slos, None)
+    rates = [r for r, _ in row["real_curve"]]
+    assert [s[:2] for s in served] == [("flowyard", 6)] * len(rates) + [("flowyard", 4)] * 2  # fresh each time
+    assert sorted(r for r, *_ in row["real_observed"]) == sorted(rates)
+    assert len(row["fixed_runs"]) == 2 and len(row["observed_speeds"]) == 2 and "sim_loro" in row
+    assert row["sim_served"]["completed"] == 4 and len(row["sim_own_curve"]) == len(rates)
+    assert ("sim_goodput_served" in row) == (ro.bracket_out(row)[1] > 0)
+    lines = rc.write_report([{**row, "executor": "local", "policy": "flowyard", "workload": "conv-mixed",
+                              "fixed_rate": w.fixed_rate}],
+                            {"machine": "x", "command": "c", "requests_per_point": 6, "slo_factor": 4.0,
+                             "slos": {"tpot_s": slos.tpot, "ttft_by_length": slos.spec}},
+                            tmp_path / "report.md").read_text()
+    assert "## Clocked by the served steps (`--observed-speed`)" in lines
+    assert "per-request, clocked at the search points' served step speeds: P50 within 15 %" in lines

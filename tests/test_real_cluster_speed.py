@@ -233,3 +233,41 @@ def test_served_step_speeds_clock_each_run_at_its_own_and_leaving_it_out_at_the_
     one = {k: v for k, v in row.items() if k != "sim_loro"}
     rf.add_observed(one, speeds[:1], lambda sp, dr: _states([sp]))
     assert "sim_observed" in one and "sim_loro" not in one  # a single run has no others to clock it
+
+
+def test_a_rows_goodput_is_clocked_by_the_served_steps_of_its_points_outside_the_bracket():
+    """`--observed-speed`: the simulated goodput runs at the geometric mean of the step speeds of
+    the real points that do not locate the goodput (leave the bracket out), the fixed point at
+    every search point's, and each point at its own only as a diagnostic."""
+    import real_cluster_observed as ro
+
+    row = {"executor": "local", "workload": "w", "policy": "p", "fixed_rate": 0.2, "real_goodput": 0.4,
+           "sim_goodput": 0.5, "real_curve": [[0.2, 1.0], [0.4, 1.0], [0.5, 0.5], [0.8, 0.2]],
+           "real_observed": [[0.2, 1.0, 1.0, 1.0], [0.4, 9.0, 9.0, 9.0], [0.5, 9.0, 9.0, 9.0],
+                             [0.8, 1.21, 1.1, 1.331]],
+           "real": rf.pooled([_states([1.2] * 3)]), "sim": rf.pooled([_states([1.0] * 3)])}
+    clock, n = ro.bracket_out(row)
+    assert n == 2 and clock == pytest.approx([1.1, 1.049, 1.154], abs=1e-3)  # 0.4 and 0.5 left out
+    searched, fixed, own = [], [], []
+
+    class Found:
+        goodput, curve = 0.42, [[0.42, 0.9]]
+
+    ro.add_served_clock(row, lambda sp, dr: searched.append([sp, *dr]) or Found(),
+                        lambda r, sp, dr: own.append((r, sp)) or 0.75,
+                        lambda sp, dr: fixed.append(sp) or _states([1.3] * 3))
+    assert searched == [clock] and row["sim_goodput_served"] == 0.42 and row["served_clock_points"] == 2
+    assert own == [(0.2, 1.0), (0.4, 9.0), (0.5, 9.0), (0.8, 1.21)] and row["sim_own_curve"][0] == [0.2, 0.75]
+    assert fixed == [pytest.approx((9.0 * 9.0 * 1.21) ** 0.25, abs=1e-3)]  # every search point's speed
+    assert row["sim_served"]["ttft_p50"] == pytest.approx(1.3)
+    section = "\n".join(ro.served_section([row]))
+    assert "0.400 – 0.500" in section and "| 0.420 | +0% |" in section and "(2 points)" in section
+    assert "0.50: 50% (9.00, 9.00)" in section and "0.40: 75%" in section
+    lines = rv.verdicts([row], 1)
+    assert any("leave the bracket out): simulated goodput within 20 % of every real value its bracket allows: "
+               "1 of 1 cells; off by more than 20 %: 0; undecided (bracket too wide): 0" in line for line in lines)
+    assert any("clocked at the search points' served step speeds: P50 within 15 %: 2 of 2" in line for line in lines)
+    alone = {**row, "real_observed": row["real_observed"][1:3]}  # only the bracket's own points: no clock
+    ro.add_served_clock(alone, lambda sp, dr: Found(), lambda r, sp, dr: 1.0, lambda sp, dr: _states([1.0]))
+    assert "sim_goodput_served" not in alone and ro.bracket_out(alone) == (None, 0)
+    assert "| — | — | — |" in "\n".join(ro.served_section([alone]))
