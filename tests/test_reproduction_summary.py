@@ -98,7 +98,6 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
         "conv-mixed 0.00×–1.94×", "conv-mixed 1.26×–1.79×, conv-short 0.71×–1.01× (over 1 of 6 others)"))
     (tmp_path / "real_cluster_ray.md").write_text(REAL)
     (tmp_path / "real_cluster_ray_conv_mixed.md").write_text(REAL)
-    (tmp_path / "real_cluster_64.md").write_text(REAL)
     (tmp_path / "real_cluster_64_ray.md").write_text(REAL)
     (tmp_path / "real_cluster_64_short.md").write_text(REAL)
     (tmp_path / "real_cluster_64_short_ray.md").write_text(REAL)
@@ -108,11 +107,22 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_mixed_zen3_sameday.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_refix.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_repeats.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_mixed_zen3_clocked.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_observed.md").write_text(REAL + "- local: per-request, each run clocked at "
                                                                        "the other runs' served step speeds (leave one run "
                                                                        "out): P50 within 15 %: 11 of 14; P90 within 25 %: "
                                                                        "12 of 14\n")
+    served = ("\n- local, clocked by the served steps of the row's other real points (leave the bracket out): simulated "
+              "goodput within 20 % of every real value its bracket allows: 5 of 7 cells; off by more than 20 %: 1; "
+              "undecided (bracket too wide): 1; Kendall τ conv-mixed 0.80 over 15 of 21 pairs — target ≥ 0.7 per "
+              "workload: met on the ordered pairs\n- local: per-request, clocked at the search points' served step "
+              "speeds: P50 within 15 %: 10 of 14; P90 within 25 %: 13 of 14\n\n## Clocked by the served steps "
+              "(`--observed-speed`)\n\n| local | conv-mixed | `vllm` | 0.452 – 1.129 | 0.5 | +0% |\n")
+    (tmp_path / "real_cluster_64.md").write_text(REAL + served)  # the section's rows are not the goodput table's
     vals = values(tmp_path)
+    assert vals["c64-rc-inside"] == "1 of 2" and vals["c64-rc-srv-within"] == "5 of 7"
+    assert vals["c64-rc-srv-tau"] == "conv-mixed 0.80" and vals["c64-rc-srv-p50"] == "local 10 of 14"
+    assert vals["c64-rc-srv-p90"] == "local 13 of 14" and vals["rc-srv-p50"] == "not measured"
     assert vals["rc-p50"] == "local 12 of 14" and vals["rc-p90"] == "local 13 of 14"
     assert vals["rc-within"] == "6 of 7" and vals["rc-tau"] == "conv-mixed 0.94, conv-short 0.44"  # every workload's
     assert vals["rc-ratio"] == "conv-mixed 1.26×–1.79×, conv-short 0.71×–1.01× (over 1 of 6 others)"

@@ -35,7 +35,7 @@ def _real_cluster(md: str) -> dict[str, str]:
         raise ValueError("real-cluster report: no 'flowyard / best other' verdict")
     spans = [f"{w} {s.strip()}" for r in ratios
              for w, s in re.findall(r"([a-z-]+) ([\d.]+×–[\d.∞]+×?(?: \(over \d+ of \d+ others\))?)", r)]
-    lines = md.splitlines()
+    lines = md.split("\n## Clocked by the served steps")[0].splitlines()  # that section's table repeats the rows
     cells = [line.split("|") for line in lines
              if re.match(r"^\| (local|ray) \| [a-z-]+ \| `[a-z0-9-]+` \| [\d.]+ – [\d.∞]+ \|", line)]
     header = next((line.split("|") for line in lines if "| sim outside |" in line), None)
@@ -50,7 +50,16 @@ def _real_cluster(md: str) -> dict[str, str]:
             for w, t in re.findall(r"([a-z-]+) ([\d.-]+) over", line)]
     loro = re.findall(r"^- (local|ray): per-request, each run clocked at the other runs' served step speeds "
                       r"\(leave one run out\): P50 within 15 %: (\d+ of \d+); P90 within 25 %: (\d+ of \d+)", md, re.M)
+    served = re.findall(r"^- (?:local|ray), clocked by the served steps [^:]*: simulated goodput within 20 % [^:]*: "
+                        r"(\d+ of \d+) cells(.*)$", md, re.M)
+    fixed = re.findall(r"^- (local|ray): per-request, clocked at the search points' served step speeds: "
+                       r"P50 within 15 %: (\d+ of \d+); P90 within 25 %: (\d+ of \d+)", md, re.M)
     return {"rc-ratio": ", ".join(spans), "rc-inside": f"{inside} of {len(cells)}",
+            "rc-srv-within": ", ".join(w for w, _ in served) or "not measured",
+            "rc-srv-tau": ", ".join(f"{w} {t}" for _, rest in served
+                                    for w, t in re.findall(r"([a-z-]+) ([\d.-]+) over", rest)) or "not measured",
+            "rc-srv-p50": ", ".join(f"{ex} {a}" for ex, a, _ in fixed) or "not measured",
+            "rc-srv-p90": ", ".join(f"{ex} {b}" for ex, _, b in fixed) or "not measured",
             "rc-within": ", ".join(within) or "not measured", "rc-tau": ", ".join(taus) or "not measured",
             "rc-p50": ", ".join(f"{ex} {a}" for ex, a, _ in p50) or "not measured",
             "rc-p90": ", ".join(f"{ex} {b}" for ex, _, b in p50) or "not measured",
@@ -98,7 +107,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # ... and again, each served three times and the runs' requests pooled (--fixed-repeats 3)
     "docs/results/real_cluster_conv_mixed_zen3_repeats.md": (_real_cluster, "zen3-rep-"),
     # ... and again, each run on a fresh server with a timeline, also clocked from served steps
-    "docs/results/real_cluster_conv_mixed_zen3_observed.md": (_real_cluster, "zen3-obs-")}
+    "docs/results/real_cluster_conv_mixed_zen3_observed.md": (_real_cluster, "zen3-obs-"),
+    # ... and all seven again, every real point on a timeline server, clocked by served steps
+    "docs/results/real_cluster_conv_mixed_zen3_clocked.md": (_real_cluster, "zen3-clk-")}
 
 
 def values(results: Path) -> dict[str, str]:
