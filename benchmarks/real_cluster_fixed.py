@@ -94,8 +94,10 @@ def mean_context(w) -> float:
 
 def timeline_speed(timeline: Path, cost, decode_ctx: float) -> list[float]:
     """[speed, prompt-bearing steps, decodes]: the medians of a served run's step durations over
-    the profile's price of the batch its timeline recorded (real_cluster_steps.step_ratios), the
-    speed the run's own steps ran at, where the checks only bracket it."""
+    the price `cost` puts on the batch its timeline recorded (real_cluster_steps.step_ratios), the
+    speed the run's own steps ran at, where the checks only bracket it. `cost` is the clock the
+    simulator scales by that speed (the profile with the run's served-step terms): read against
+    the bare profile, the per-step serving time would be in the speed and then added again."""
     from real_cluster_steps import real_steps, step_ratios  # it imports this module's importer
 
     ratios = step_ratios(real_steps(timeline), cost, decode_ctx)

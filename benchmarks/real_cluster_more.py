@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from real_cluster_fit import export_timeline, serving_scale, with_export
-from real_cluster_fixed import add_observed, fixed_row, mean_context, resimulate, timeline_speed
+from real_cluster_fixed import add_observed, fixed_row, mean_context, resimulate
 from real_cluster_lib import (ExperimentConfig, Server, fixed_workload, make_workload, real_point, real_states,
-                              run_slos, served_clock, sim_point, sim_states, timeline_states, write_report)
-from real_cluster_observed import add_served_clock, served_fixed_point
+                              run_slos, served_clock, sim_point, sim_states, write_report)
+from real_cluster_observed import ServedRuns, add_served_clock, reread_speeds, served_fixed_point
 from real_cluster_points import add_point, parse_add_rates
 from real_cluster_speed import SpeedCheck, normalized, row_drift, row_speed
 
@@ -105,18 +105,14 @@ def refix(args) -> None:
             with contextlib.nullcontext() if observe else Server(policy, executor, path, model, log) as url:
                 for row in mine:
                     w = fixed_workload(row["workload"], args.refix, row["fixed_rate"], slos, cost)
-                    rate, seen = row["fixed_rate"], []
+                    rate = row["fixed_rate"]
                     for k in ("fixed_runs", "sim_observed", "sim_loro", "observed_speeds"):  # an earlier --refix's
                         row.pop(k, None)
+                    runs = ServedRuns(lambda tag: Server(policy, executor, path, model, work / f"serve-{tag}-refix.log"),
+                                      work, f"{policy}-{executor}-{row['workload']}-fixed", served_clock(path, fit, cost))
 
                     def serve() -> list:
-                        if not observe:
-                            return real_states(url, w, rate, slos)
-                        run = f"{policy}-{executor}-{row['workload']}-{len(seen)}"
-                        states = timeline_states(Server(policy, executor, path, model, work / f"serve-{run}-refix.log"),
-                                                 work / f"timeline-{run}.json", w, rate, slos)
-                        seen.append(timeline_speed(work / f"timeline-{run}.json", cost, mean_context(w)))
-                        return states
+                        return runs.states(w, rate, slos) if observe else real_states(url, w, rate, slos)
 
                     def simulate(speed: float, drift: list | None) -> list:
                         return sim_states(w, rate, policy, served_clock(path, fit, cost, speed, drift),
@@ -124,7 +120,7 @@ def refix(args) -> None:
 
                     row.update(fixed_row(check, serve, simulate, repeats))
                     if observe:
-                        add_observed(row, seen, simulate)
+                        add_observed(row, runs.speeds, simulate)
                     served_fixed_point(row, simulate)  # at the search's served steps, where it recorded them
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
                           f"sim {row['sim']['ttft_p50']:.3f} s", file=sys.stderr, flush=True)
@@ -202,6 +198,9 @@ def resim(args) -> None:
         def fixed_at(sp: float, dr) -> list:
             return sim_states(fixed, row["fixed_rate"], row["policy"], clocked(sp, dr), shared, pcost)
 
+        if reread_speeds(row, work, clocked(1.0, None), mean_context(w), mean_context(fixed)):
+            print(f"{executor:>5} {row['policy']:>12} {row['workload']:>11}: served step speeds read again from "
+                  "the run's timelines", file=sys.stderr, flush=True)
         resimulate(row, fixed_at)
         add_served_clock(row, lambda sp, dr: sim_search(w, row["policy"], clocked(sp, dr), shared, pcost),
                          lambda r, sp, dr: sim_point(w, r, row["policy"], clocked(sp, dr), shared, pcost)["attainment"],

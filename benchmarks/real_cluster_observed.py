@@ -33,7 +33,8 @@ from flowyard.experiments.report import md_table
 @dataclass
 class ServedRuns:
     """Runs of one row, each on a fresh server (`server(tag)`) that writes a timeline into
-    `work`; `speeds` gets each run's [speed, prompt-bearing steps, decodes] in order."""
+    `work`; `speeds` gets each run's [speed, prompt-bearing steps, decodes] in order, read
+    against `cost`, the simulator's clock at speed 1 (`timeline_speed`)."""
 
     server: Callable[[str], object]
     work: Path
@@ -50,6 +51,22 @@ class ServedRuns:
         states = timeline_states(self.server(run), timeline, w, rate, slos)
         self.speeds.append(timeline_speed(timeline, self.cost, mean_context(w)))
         return states
+
+
+def reread_speeds(row: dict, work: Path, clock, search_ctx: float, fixed_ctx: float) -> bool:
+    """A row's served step speeds read again from the timelines its run left in `work`, against
+    `clock` (for `--resim`, after the clock's terms changed); False, and the row untouched, where
+    any timeline is missing."""
+    tag = f"{row['policy']}-{row['executor']}-{row['workload']}"
+    observed = row.get("real_observed") or []
+    search = [work / f"timeline-{tag}-{i}.json" for i in range(len(observed))]
+    fixed = [work / f"timeline-{tag}-fixed-{i}.json" for i in range(len(row.get("observed_speeds") or []))]
+    if not search + fixed or not all(p.exists() for p in search + fixed):
+        return False
+    row["real_observed"] = [[o[0], *timeline_speed(p, clock, search_ctx)] for o, p in zip(observed, search)]
+    if fixed:
+        row["observed_speeds"] = [timeline_speed(p, clock, fixed_ctx) for p in fixed]
+    return True
 
 
 def bracket_out(row: dict) -> tuple[list[float] | None, int]:

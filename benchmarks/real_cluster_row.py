@@ -54,7 +54,7 @@ def measure_row(s: RowSetup, name: str, w: RealWorkload, fw: RealWorkload, slos,
     speeds: list[list[float]] = []  # [rate, the machine's speed right before it]
     drifts: list[list[float]] = []  # [rate, prompt steps' speed, decodes' speed]
     observed: list[list[float]] = []  # [rate, served steps' speed, prompt steps', decodes'] (observe)
-    runs = ServedRuns(s.server, s.work, f"{s.policy}-{s.executor}-{name}", s.cost) if s.observe else None
+    runs = ServedRuns(s.server, s.work, f"{s.policy}-{s.executor}-{name}", s.clock()) if s.observe else None
 
     def serve(rate: float) -> dict:
         if runs is None:
@@ -69,7 +69,7 @@ def measure_row(s: RowSetup, name: str, w: RealWorkload, fw: RealWorkload, slos,
         sim = sim_search(w, s.policy, s.clock(row_speed(row), row_drift(row)), s.shared, s.cost)
     row.update(real_goodput=real.goodput, sim_goodput=sim.goodput, real_curve=real.curve, sim_curve=sim.curve)
     fixed = w.fixed_rate
-    fixed_runs = ServedRuns(s.server, s.work, f"{s.policy}-{s.executor}-{name}-fixed", s.cost) if s.observe else None
+    fixed_runs = ServedRuns(s.server, s.work, f"{s.policy}-{s.executor}-{name}-fixed", s.clock()) if s.observe else None
 
     def serve_fixed() -> list:
         return fixed_runs.states(fw, fixed, slos) if fixed_runs else real_states(url, fw, fixed, slos)

@@ -322,9 +322,11 @@ def test_refix_measures_every_fixed_point_again_with_more_requests(tiny, tmp_pat
     report = (tmp_path / "report.md").read_text()
     assert "| real runs |" in report and "with 7 requests (`--refix`), served 2 times, at " in report
     servers, speeds = [], iter([[1.1, 1.2, 1.0], [1.3, 1.3, 1.3]] * 2)
+    import real_cluster_observed as ro
+
     monkeypatch.setattr(more, "Server", lambda *a, **k: servers.append(a[0]) or contextlib.nullcontext("http://x"))
-    monkeypatch.setattr(more, "timeline_states", lambda srv, tl, w, rate, slos: served(None, w, rate, slos))
-    monkeypatch.setattr(more, "timeline_speed", lambda tl, cost, ctx: next(speeds))
+    monkeypatch.setattr(rc, "timeline_states", lambda srv, tl, w, rate, slos: served(None, w, rate, slos))
+    monkeypatch.setattr(ro, "timeline_speed", lambda tl, cost, ctx: next(speeds))
     more.refix(argparse.Namespace(**{**vars(args), "fixed_repeats": 2, "observed_speed": True}))
     got = json.loads((tmp_path / "rows.json").read_text())
     assert servers == ["vllm", "vllm", "flowyard", "flowyard"]  # a fresh server, with a timeline, per run
@@ -500,3 +502,36 @@ def test_observed_speed_serves_every_point_fresh_and_simulates_the_row_from_othe
                             tmp_path / "report.md").read_text()
     assert "## Clocked by the served steps (`--observed-speed`)" in lines
     assert "per-request, clocked at the search points' served step speeds: P50 within 15 %" in lines
+
+
+def test_served_step_speeds_are_read_against_the_clock_they_scale(tiny, tmp_path):
+    """A run whose steps took 1.1x what the served-step clock prices reads 1.1 against that
+    clock, and that clock at 1.1 prices its steps as they ran; read against the bare profile the
+    per-step serving time would be counted in the speed and then once more by the clock. `--resim`
+    reads a row's speeds again from the timelines its run left."""
+    import real_cluster_observed as ro
+    from real_cluster_fixed import timeline_speed
+
+    from flowyard.cluster.timeline import Timeline
+    from flowyard.core.plan import PrefillSlice, StepPlan
+    from flowyard.core.request import Request, RequestState
+
+    _, path, cost = tiny
+    clock = rc.served_clock(path, {"scale": 1.0, "step_s": 0.01}, cost)
+    st = RequestState(Request(id=0, arrival=0.0, prompt_len=64, output_len=8))
+    pre, dec = StepPlan(prefills=[PrefillSlice(st, 0, 64)]), StepPlan(decodes=[st])
+    tl, t = Timeline(), 0.0
+    for plan in (pre, dec, dec, dec):
+        dur = 1.1 * float(clock.step_time(plan.shape()))
+        tl.step(0, t, t + dur, plan)
+        t += dur + 1.0  # apart: each step alone
+    tl.write(tmp_path / "timeline-vllm-local-w-0.json")
+    speed, prompt, decode = timeline_speed(tmp_path / "timeline-vllm-local-w-0.json", clock, 64.0)
+    assert prompt == pytest.approx(1.1, abs=2e-3) and decode == pytest.approx(1.1, abs=2e-3)
+    bare = timeline_speed(tmp_path / "timeline-vllm-local-w-0.json", cost, 64.0)
+    assert bare[2] > decode + 0.01  # the bare profile's reading carries the serving time in it
+    row = {"policy": "vllm", "executor": "local", "workload": "w", "real_observed": [[0.3, 9.0, 9.0, 9.0]]}
+    assert ro.reread_speeds(row, tmp_path, clock, 64.0, 64.0)
+    assert row["real_observed"][0][0] == 0.3 and row["real_observed"][0][3] == pytest.approx(1.1, abs=2e-3)
+    gone = {**row, "real_observed": [[0.3, 9.0, 9.0, 9.0], [0.4, 9.0, 9.0, 9.0]]}  # a timeline missing: kept
+    assert not ro.reread_speeds(gone, tmp_path, clock, 64.0, 64.0) and gone["real_observed"][1][1] == 9.0
