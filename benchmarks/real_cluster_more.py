@@ -109,17 +109,18 @@ def refix(args) -> None:
                     for k in ("fixed_runs", "sim_observed", "sim_loro", "observed_speeds"):  # an earlier --refix's
                         row.pop(k, None)
                     runs = ServedRuns(lambda tag: Server(policy, executor, path, model, work / f"serve-{tag}-refix.log"),
-                                      work, f"{policy}-{executor}-{row['workload']}-fixed", served_clock(path, fit, cost))
+                                      work, f"{policy}-{executor}-{row['workload']}-fixed",
+                                      served_clock(path, fit, cost)) if observe else None
 
                     def serve() -> list:
-                        return runs.states(w, rate, slos) if observe else real_states(url, w, rate, slos)
+                        return runs.states(w, rate, slos) if runs else real_states(url, w, rate, slos)
 
                     def simulate(speed: float, drift: list | None) -> list:
                         return sim_states(w, rate, policy, served_clock(path, fit, cost, speed, drift),
                                           executor == "local", cost)
 
                     row.update(fixed_row(check, serve, simulate, repeats))
-                    if observe:
+                    if runs is not None:
                         add_observed(row, runs.speeds, simulate)
                     served_fixed_point(row, simulate)  # at the search's served steps, where it recorded them
                     print(f"{executor:>5} {policy:>12} {row['workload']:>11}: TTFT P50 real {row['real']['ttft_p50']:.3f} "
