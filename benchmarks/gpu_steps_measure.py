@@ -15,10 +15,14 @@ then the final norm and the LM head on one row per sequence. Each shape is timed
 eager (kernels launched from Python, as a 2023 engine does) and replayed from a CUDA graph (as
 vLLM v1 and SGLang do), whose time is the GPU's alone.
 
-    python benchmarks/gpu_steps_measure.py --out gpu_steps.json [--model qwen3-30b-a3b]
+    python benchmarks/gpu_steps_measure.py --out gpu_steps.json [--model qwen3-30b-a3b] [--tp 4]
 
-`--model` takes a dense shape (Llama-3-8B, Qwen2.5-32B) or the MoE Qwen3-30B-A3B, whose
-experts run as fused-MoE engines run them: tokens sorted by expert, two grouped GEMMs.
+`--model` takes a dense shape (Llama-3-8B, Llama-3-70B, Qwen2.5-32B) or the MoE Qwen3-30B-A3B,
+whose experts run as fused-MoE engines run them: tokens sorted by expert, two grouped GEMMs.
+`--tp N` times one rank of an N-way tensor-parallel group (Megatron's split: heads, KV heads,
+the MLP's width and the vocabulary divided by N) with no collectives: one GPU cannot run an
+all-reduce, so this separates a TP step's compute from its communication, which the cost
+model prices as separate terms.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import argparse
 import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +51,22 @@ class Shape:
     experts_active: int = 0  # top-k
     expert_intermediate: int = 0
 
+    def shard(self, tp: int) -> "Shape":
+        """One rank's slice of a `tp`-way tensor-parallel group; KV heads are replicated when
+        there are fewer than ranks (as vLLM does), so a rank keeps at least one."""
+        if tp < 1 or self.heads % tp or (self.intermediate or self.expert_intermediate) % tp or self.vocab % tp:
+            raise ValueError(f"--tp {tp} does not divide this model's heads, MLP width and vocabulary")
+        return replace(self, heads=self.heads // tp, kv_heads=max(1, -(-self.kv_heads // tp)),
+                       intermediate=self.intermediate // tp,
+                       expert_intermediate=self.expert_intermediate // tp, vocab=self.vocab // tp)
+
 
 LLAMA3_8B = Shape()
 # The catalog's shapes (flowyard/costmodel/models.py; tests/test_gpu_steps.py keeps them equal).
 SHAPES = {
     "llama-3-8b": LLAMA3_8B,
+    "llama-3-70b": Shape(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, intermediate=28672,
+                         vocab=128256),
     "qwen2.5-32b": Shape(hidden=5120, layers=64, heads=40, kv_heads=8, head_dim=128, intermediate=27648,
                          vocab=152064),
     "qwen3-30b-a3b": Shape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=0,
@@ -280,13 +295,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES), help="a catalog model's shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (MoE if --model is) on the CPU (a smoke test)")
+    ap.add_argument("--tp", type=int, default=1, help="time one rank of a TP group this wide (no collectives)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rev", default="", help="the flowyard revision this script is at (recorded)")
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
     shape = SHAPES[a.model] if not a.tiny else (TINY_MOE if SHAPES[a.model].experts else TINY)
+    try:
+        shard = shape.shard(a.tp)
+    except ValueError as e:
+        ap.error(str(e))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    m = Model(shape, device, dtype)
+    m = Model(shard, device, dtype)
     todo = cases() if not a.tiny else cases()[:3] + cases()[-4:]
     t0, rows = time.time(), []
     for c in todo:
@@ -301,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(r)
         print(json.dumps(r), flush=True)
     meta = {"revision": a.rev, "model": a.model if not a.tiny else "tiny", "shape": shape.__dict__,
+            "tp": a.tp, "shard": shard.__dict__,
             "dtype": str(dtype), "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
             "torch": torch.__version__, "reps": a.reps, "wall_s": round(time.time() - t0, 1),
             "sdpa_backends": {"flash": torch.backends.cuda.flash_sdp_enabled(),
