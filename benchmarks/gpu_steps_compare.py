@@ -31,6 +31,11 @@ DATA = ROOT / "benchmarks" / "results" / "gpu_steps_h100.json"
 GPUS = ("H100", "H200", "A100", "H800")  # the device name's family -> the catalog's GPU
 
 
+TP_NOTE = (" (one rank's shard, `--tp`: heads, KV heads, MLP width and vocabulary divided by the TP "
+           "size; the measurement runs no collectives, so the prediction leaves out the cost model's "
+           "all-reduce and all-gather terms)")
+
+
 def gpu_of(meta: dict) -> str:
     """The catalog GPU a measurement ran on, from the device name CUDA reported."""
     for g in GPUS:
@@ -64,9 +69,11 @@ def label(p: dict) -> str:
     return " ; ".join(x for x in (ps and f"prompt {ps}", ds and f"decode {ds}") if x)
 
 
-def price(points: list[dict], model: str, gpu: str, engine: str) -> list[float]:
-    cm = RooflineCostModel(model, current_fit().hardware(gpu, engine), 1)
-    return [1e3 * float(cm.step_time(shape(p))) for p in points]
+def price(points: list[dict], model: str, gpu: str, engine: str, tp: int = 1) -> list[float]:
+    """Predicted ms of each step; for one rank of a TP group, without the collectives (the
+    measurement ran none)."""
+    cm = RooflineCostModel(model, current_fit().hardware(gpu, engine), tp)
+    return [1e3 * float(cm.step_time(s) - cm.collective_time(s)) for s in map(shape, points)]
 
 
 def interference(points: list[dict], pred: list[float]) -> list[tuple]:
@@ -86,7 +93,8 @@ def interference(points: list[dict], pred: list[float]) -> list[tuple]:
 
 def errors(data: dict) -> tuple[list[float], list[float]]:
     """(predicted ms, relative error against the graph replay) for every measured step."""
-    pred = price(data["points"], data["meta"]["model"], gpu_of(data["meta"]), DEFAULT_ENGINE_PROFILE)
+    meta = data["meta"]
+    pred = price(data["points"], meta["model"], gpu_of(meta), DEFAULT_ENGINE_PROFILE, meta.get("tp", 1))
     return pred, [q / p["graph_ms"] - 1 for p, q in zip(data["points"], pred)]
 
 
@@ -95,17 +103,19 @@ def report(data: dict) -> str:
     pred, err = errors(data)
     rev = source_revision() or "unknown revision"
     gpu = gpu_of(meta)
-    model = meta["model"]
+    model, tp = meta["model"], meta.get("tp", 1)
     moe = ("Each MoE layer runs its experts as fused-MoE engines do (tokens sorted by expert, two "
            "grouped GEMMs, `torch._grouped_mm`); with random router weights the routing is close to "
            "uniform, the case the cost model's distinct-expert count assumes. ") if "a3b" in model else ""
     lines = [f"# Cost model vs whole steps measured on an {gpu.upper()}"
-             + ("" if model == "llama-3-8b" else f": {model}") + f" (report at {rev})", "",
+             + ("" if model == "llama-3-8b" else f": {model}") + (f", one rank of TP {tp}" if tp > 1 else "")
+             + f" (report at {rev})", "",
              f"Measured by `python benchmarks/gpu_steps_measure.py` at {meta['revision']} on one "
              f"{meta['device']} (PyTorch {meta['torch']}, {meta['dtype']}, median of {meta['reps']} "
              f"runs per step); priced by `python benchmarks/gpu_steps_compare.py` with the "
              f"`{DEFAULT_ENGINE_PROFILE}` profile of the `published` calibration, model "
-             f"{meta['model']}, GPU `{gpu}`, TP 1. None of these steps was used to fit the cost model. "
+             f"{meta['model']}, GPU `{gpu}`, TP {tp}{TP_NOTE if tp > 1 else ''}. None of these steps was "
+             "used to fit the cost model. "
              "Random bf16 weights; attention is PyTorch's fused SDPA (flash), one call per prompt "
              "and one batched call for the decodes (all at one context length). " + moe,
              "", "## Error by kind (CUDA-graph replay)", ""]
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     data = json.loads(a.data.read_text())
     model = data["meta"]["model"]
-    suffix = "" if model == "llama-3-8b" else f"_{model}"
+    tp = data["meta"].get("tp", 1)
+    suffix = ("" if model == "llama-3-8b" and tp == 1 else f"_{model}") + (f"_tp{tp}" if tp > 1 else "")
     out = a.out or ROOT / "docs" / "results" / f"gpu_steps_{gpu_of(data['meta'])}{suffix}.md"
     out.write_text(report(data))
     print(f"wrote {out}")

@@ -26,7 +26,12 @@ FILES = sorted((ROOT / "benchmarks" / "results").glob("gpu_steps_*.json"))
 # it should tighten them.
 BOUNDS = {"gpu_steps_h100": (0.12, 0.25, 0.06), "gpu_steps_h200": (0.12, 0.25, 0.06),
           "gpu_steps_h100_qwen2.5-32b": (0.12, 0.25, 0.08),
-          "gpu_steps_h100_qwen3-30b-a3b": (0.40, 0.55, 0.20), "gpu_steps_h200_qwen3-30b-a3b": (0.50, 0.55, 0.20)}
+          "gpu_steps_h100_qwen3-30b-a3b": (0.40, 0.55, 0.20), "gpu_steps_h200_qwen3-30b-a3b": (0.50, 0.55, 0.20),
+          # One rank of a TP group (--tp), priced without its collectives. The unfused step
+          # (separate RoPE, SiLU, add and norm kernels) runs a few µs per layer over the roofline
+          # at small batch, which a thinner rank feels most.
+          **{f"gpu_steps_h200_llama-3-{m}_tp{t}": (0.16, 0.25, 0.08)
+             for m, t in (("70b", 2), ("70b", 4), ("70b", 8), ("8b", 4), ("8b", 8))}}
 
 
 @pytest.fixture(params=FILES, ids=[f.stem for f in FILES])
@@ -130,3 +135,24 @@ def test_the_moe_layer_report_prices_every_token_count(tmp_path):
     mgc.main(["--out", str(out)])
     text = out.read_text()
     assert data["meta"]["revision"] in text and f"{rows[-1]['gemms_ms'] / rows[-1]['gemms_pred_ms']:.2f}" in text
+
+
+def test_a_tp_rank_is_priced_without_its_collectives():
+    """The TP measurements time one rank with no all-reduce; pricing them must leave out exactly
+    the collectives, which are zero at TP 1."""
+    from flowyard.core.plan import BatchShape
+    from flowyard.costmodel.fit import current_fit
+    from flowyard.costmodel.roofline import RooflineCostModel
+
+    hw = current_fit().hardware("h200", gsc.DEFAULT_ENGINE_PROFILE)
+    s = BatchShape.of([(0, 512)], [1024] * 32)
+    assert RooflineCostModel("llama-3-70b", hw, 1).collective_time(s) == 0
+    tp4 = RooflineCostModel("llama-3-70b", hw, 4)
+    assert 0 < tp4.collective_time(s) < tp4.step_time(s)
+    more = BatchShape.of([(0, 1024)], [1024] * 32)  # more tokens, more bytes all-reduced
+    assert tp4.collective_time(more) > tp4.collective_time(s)
+    data = json.loads((ROOT / "benchmarks" / "results" / "gpu_steps_h200_llama-3-70b_tp4.json").read_text())
+    assert data["meta"]["tp"] == 4 and data["meta"]["shard"]["heads"] == 16
+    pred = gsc.price(data["points"][:1], "llama-3-70b", "h200", gsc.DEFAULT_ENGINE_PROFILE, 4)
+    whole = 1e3 * tp4.step_time(gsc.shape(data["points"][0]))
+    assert 0 < pred[0] < whole

@@ -261,6 +261,15 @@ class RooflineCostModel(CostModel):
             out["graph"] = -(self._graph_c + self._graph_seq * rows)
         return out
 
+    def collective_time(self, shape: BatchShape) -> Seconds:
+        """The TP collectives inside `step_time`: two all-reduces per layer, the embedding's, and
+        the logits' all-gather. What is left is one rank's compute, the part one GPU can time
+        (benchmarks/gpu_steps_measure.py --tp), so the two can be checked apart."""
+        T = shape.prefill_tokens + shape.decode_seqs
+        rows = shape.prefill_seqs + shape.decode_seqs
+        return _scalar(self.num_layers * (self._ar_row * T + self._ar_c) + self._ar_row / 2 * T
+                       + self._ar_c + self._gather_row * rows)
+
     # -- the two sides of the roofline (PLA-Serve's compute-memory boundary) ----------------
     def compute_memory_split(self, shape: BatchShape) -> tuple[Seconds, Seconds]:
         """(t_comp, t_mem): the compute and the memory side of every operator of the step,
