@@ -167,8 +167,34 @@ def moe(h: torch.Tensor, L: dict, s: Shape) -> torch.Tensor:
     return torch.zeros_like(h).index_add_(0, src, y)
 
 
-def make_step(m: Model, prefills: list[list[int]], decodes: list[list[int]]):
-    """A closure running one step of this composition on preallocated inputs."""
+def varlen_attention(lens: list[int], heads: int, kv_heads: int, device: str):
+    """Attention over several prompts' (T, heads, d) rows as ONE causal variable-length
+    flash-attention call, as vLLM's prefill makes it, across the keyword spellings PyTorch
+    releases have used (causal as a window or a flag; GQA native or by repeated KV heads). The
+    offsets are made here, outside any CUDA-graph capture."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], device=device, dtype=torch.int32)
+    kw: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = heads // kv_heads
+    if gqa > 1 and "enable_gqa" in params:
+        kw["enable_gqa"], gqa = True, 1
+    mx = max(lens)
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if gqa > 1:
+            k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
+        return varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
+    return attn
+
+
+def make_step(m: Model, prefills: list[list[int]], decodes: list[list[int]], varlen: bool = False):
+    """A closure running one step of this composition on preallocated inputs; `varlen` runs the
+    prompts' attention (several prompts, none with cached history) as one variable-length call
+    instead of one call per prompt."""
     s = m.s
     lens = [n for _, n in prefills]
     nd, ctx = (decodes[0] if decodes else (0, 0))
@@ -184,6 +210,7 @@ def make_step(m: Model, prefills: list[list[int]], decodes: list[list[int]]):
     rows = torch.tensor([sum(lens[:i + 1]) - 1 for i in range(len(lens))]
                         + list(range(sum(lens), T)), device=m.device, dtype=torch.long)
     gq = s.heads // s.kv_heads
+    vl = varlen_attention(lens, s.heads, s.kv_heads, m.device) if varlen else None
     q_sz, kv_sz = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
     def step() -> torch.Tensor:
@@ -196,7 +223,11 @@ def make_step(m: Model, prefills: list[list[int]], decodes: list[list[int]]):
             k = rope(k.view(T, s.kv_heads, s.head_dim), cos, sin)
             v = v.view(T, s.kv_heads, s.head_dim)
             outs, off = [], 0
-            for n, hv in zip(lens, hist):  # one causal call per prompt chunk
+            if vl is not None:
+                p = sum(lens)
+                outs.append(vl(q[:p], k[:p], v[:p]).reshape(p, q_sz))
+                off = p
+            for n, hv in zip(lens if vl is None else [], hist):  # one causal call per prompt chunk
                 qs = q[off:off + n].transpose(0, 1).unsqueeze(0)
                 ks = k[off:off + n].transpose(0, 1).unsqueeze(0)
                 vs = v[off:off + n].transpose(0, 1).unsqueeze(0)
@@ -263,10 +294,10 @@ def graph_of(fn) -> "torch.cuda.CUDAGraph":
     return g
 
 
-def measure(case: dict, m: Model, reps: int, graphs: bool) -> dict:
+def measure(case: dict, m: Model, reps: int, graphs: bool, varlen: bool = False) -> dict:
     cuda = m.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step = make_step(m, case["prefills"], case["decodes"])
+    step = make_step(m, case["prefills"], case["decodes"], varlen)
     with torch.inference_mode():
         for _ in range(3):
             step()
@@ -285,6 +316,8 @@ def measure(case: dict, m: Model, reps: int, graphs: bool) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     out = {**case, "eager_ms": 1e3 * eager, "graph_ms": None if graph is None else 1e3 * graph}
+    if varlen:
+        out["attention"] = "varlen"
     if any(h for h, _ in case["prefills"]):
         out["history_attention"] = "sdpa-gqa-mask" if step.gqa_mask["ok"] else "sdpa-repeated-kv"
     return out
@@ -296,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES), help="a catalog model's shape")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (MoE if --model is) on the CPU (a smoke test)")
     ap.add_argument("--tp", type=int, default=1, help="time one rank of a TP group this wide (no collectives)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="only the steps of several fresh prompts, their attention one variable-length call")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rev", default="", help="the flowyard revision this script is at (recorded)")
     a = ap.parse_args(argv)
@@ -308,13 +343,15 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     m = Model(shard, device, dtype)
     todo = cases() if not a.tiny else cases()[:3] + cases()[-4:]
+    if a.varlen:
+        todo = [c for c in cases() if len(c["prefills"]) > 1 and not any(h for h, _ in c["prefills"])]
     t0, rows = time.time(), []
     for c in todo:
         if a.tiny:
             c = {"prefills": [[h, min(n, 64)] for h, n in c["prefills"]],
                  "decodes": [[min(b, 4), min(x, 64)] for b, x in c["decodes"]]}
         try:
-            r = measure(c, m, a.reps, graphs=True)
+            r = measure(c, m, a.reps, graphs=True, varlen=a.varlen)
         except Exception as e:  # one shape a backend cannot run is reported, not fatal
             print(f"skipped {c}: {type(e).__name__}: {e}", flush=True)
             continue

@@ -156,3 +156,32 @@ def test_a_tp_rank_is_priced_without_its_collectives():
     pred = gsc.price(data["points"][:1], "llama-3-70b", "h200", gsc.DEFAULT_ENGINE_PROFILE, 4)
     whole = 1e3 * tp4.step_time(gsc.shape(data["points"][0]))
     assert 0 < pred[0] < whole
+
+
+def test_one_varlen_call_computes_what_one_call_per_prompt_does(monkeypatch):
+    """--varlen swaps the per-prompt attention calls for one variable-length call; on the CPU
+    (no flash kernel) a per-prompt reference stands in for the kernel, so what is checked is the
+    step around it: offsets, GQA and the rows' order."""
+    import gpu_steps_measure as gsm
+    import torch
+    import torch.nn.attention.varlen as V
+    import torch.nn.functional as F
+
+    def per_prompt(q, k, v, cu, _cu_k, _mq, _mk, **kw):
+        assert kw.get("window_size") == (-1, 0) or kw.get("is_causal")
+        out = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=kw.get("enable_gqa", False))
+            out.append(o.squeeze(0).transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(V, "varlen_attn", per_prompt)
+    m = gsm.Model(gsm.TINY, "cpu", torch.float32)
+    for pre in ([[0, 16], [0, 8], [0, 24]], [[0, 4]] * 5):
+        torch.manual_seed(1)
+        a = gsm.make_step(m, pre, [[3, 20]])
+        torch.manual_seed(1)
+        b = gsm.make_step(m, pre, [[3, 20]], varlen=True)
+        with torch.inference_mode():
+            assert torch.allclose(a(), b(), atol=1e-5)
