@@ -98,7 +98,22 @@ def errors(data: dict) -> tuple[list[float], list[float]]:
     return pred, [q / p["graph_ms"] - 1 for p, q in zip(data["points"], pred)]
 
 
-def report(data: dict) -> str:
+def varlen_rows(data: dict, varlen: dict) -> list[tuple]:
+    """Steps of several fresh prompts timed again with their attention as one variable-length
+    call (`gpu_steps_measure.py --varlen`, as vLLM's prefill runs it): the per-prompt time, the
+    one-call time and the prediction's error against each."""
+    meta = varlen["meta"]
+    pred = price(varlen["points"], meta["model"], gpu_of(meta), DEFAULT_ENGINE_PROFILE, meta.get("tp", 1))
+    per = {json.dumps([p["prefills"], p["decodes"]]): p["graph_ms"] for p in data["points"]}
+    rows = []
+    for p, q in zip(varlen["points"], pred):
+        a = per.get(json.dumps([p["prefills"], p["decodes"]]))
+        if a:
+            rows.append((label(p), a, p["graph_ms"], q))
+    return rows
+
+
+def report(data: dict, varlen: dict | None = None) -> str:
     meta, points = data["meta"], data["points"]
     pred, err = errors(data)
     rev = source_revision() or "unknown revision"
@@ -137,6 +152,17 @@ def report(data: dict) -> str:
               "as one step, so it should show the same saving.", "",
               md_table(("step", "measured", "predicted"),
                        [(s, f"{a:.2f}", f"{b:.2f}") for s, a, b in inter]), ""]
+    if varlen:
+        vr = varlen_rows(data, varlen)
+        lines += ["## Several prompts' attention in one variable-length call", "",
+                  "The same steps timed again with `--varlen` (at "
+                  f"{varlen['meta']['revision']}): the prompts' attention is one variable-length "
+                  "flash-attention call, as vLLM's prefill makes it, instead of one call per prompt "
+                  "(the tables above).", "",
+                  md_table(("step", "per-prompt calls ms", "one call ms", "predicted ms",
+                            "error vs per-prompt", "error vs one call"),
+                           [(s, f"{a:.2f}", f"{b:.2f}", f"{q:.2f}", f"{100 * (q / a - 1):+.1f} %",
+                             f"{100 * (q / b - 1):+.1f} %") for s, a, b, q in vr]), ""]
     gaps = [p["eager_ms"] - p["graph_ms"] for p in points]
     lines += ["## What a Python-launched step adds", "",
               f"Eager minus graph time: median {statistics.median(gaps):.2f} ms, max {max(gaps):.2f} ms "
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     tp = data["meta"].get("tp", 1)
     suffix = ("" if model == "llama-3-8b" and tp == 1 else f"_{model}") + (f"_tp{tp}" if tp > 1 else "")
     out = a.out or ROOT / "docs" / "results" / f"gpu_steps_{gpu_of(data['meta'])}{suffix}.md"
-    out.write_text(report(data))
+    side = a.data.with_name(a.data.stem + "_varlen.json")
+    out.write_text(report(data, json.loads(side.read_text()) if side.exists() else None))
     print(f"wrote {out}")
 
 
