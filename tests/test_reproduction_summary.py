@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flowyard.experiments.headlines import fill, values
+from flowyard.experiments.headlines import GPU_STEPS, fill, values
 from flowyard.experiments.summary import BEGIN, END, REPORTS, RESULTS, ROOT, headline_verdicts, read, splice, table
 
 REPORT = """# Arrow
@@ -119,7 +119,10 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
               "speeds: P50 within 15 %: 10 of 14; P90 within 25 %: 13 of 14\n\n## Clocked by the served steps "
               "(`--observed-speed`)\n\n| local | conv-mixed | `vllm` | 0.452 – 1.129 | 0.5 | +0% |\n")
     (tmp_path / "real_cluster_64.md").write_text(REAL + served)  # the section's rows are not the goodput table's
+    for k in GPU_STEPS:
+        (tmp_path / f"gpu_steps_{k}.md").write_text("| kind | steps |\n|---|---|\n| all | 37 | 6.0 % | 22.9 % |\n")
     vals = values(tmp_path)
+    assert vals["gs-70b-tp4-median"] == "6.0 %" and vals["gs-h200-max"] == "22.9 %"
     assert vals["c64-rc-inside"] == "1 of 2" and vals["c64-rc-srv-within"] == "5 of 7"
     assert vals["c64-rc-srv-tau"] == "conv-mixed 0.80" and vals["c64-rc-srv-p50"] == "local 10 of 14"
     assert vals["c64-rc-srv-p90"] == "local 13 of 14" and vals["rc-srv-p50"] == "not measured"

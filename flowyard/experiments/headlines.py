@@ -83,6 +83,19 @@ def _scale(md: str) -> dict[str, str]:
             "scale-1m-met": "met for all " + str(len(big)) if not missed else "not met for " + ", ".join(missed)}
 
 
+def _gpu_steps(md: str) -> dict[str, str]:
+    """The held-out error over every step of a docs/results/gpu_steps_*.md report."""
+    row = re.search(r"^\| all \| \d+ \| ([\d.]+ %) \| ([\d.]+ %) \|", md, re.M)
+    if not row:
+        raise ValueError("GPU steps report: no 'all' row")
+    return {"median": row.group(1), "max": row.group(2)}
+
+
+GPU_STEPS = {"h100": "gs-h100-", "h200": "gs-h200-", "h100_qwen2.5-32b": "gs-32b-",
+             "h100_qwen3-30b-a3b": "gs-moe-h100-", "h200_qwen3-30b-a3b": "gs-moe-h200-",
+             **{f"h200_llama-3-{m}_tp{t}": f"gs-{m}-tp{t}-" for m, t in
+                (("70b", 2), ("70b", 4), ("70b", 8), ("8b", 4), ("8b", 8))}}
+
 # report (its path in the checkout) -> (its parser, the prefix its numbers' names get in the README)
 SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "benchmarks/results/sim_scaling.md": (_scale, ""),
@@ -109,7 +122,9 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     # ... and again, each run on a fresh server with a timeline, also clocked from served steps
     "docs/results/real_cluster_conv_mixed_zen3_observed.md": (_real_cluster, "zen3-obs-"),
     # ... and all seven again, every real point on a timeline server, clocked by served steps
-    "docs/results/real_cluster_conv_mixed_zen3_clocked.md": (_real_cluster, "zen3-clk-")}
+    "docs/results/real_cluster_conv_mixed_zen3_clocked.md": (_real_cluster, "zen3-clk-"),
+    # whole steps timed on one GPU and priced, never fitted on (one rank of a TP group: *_tpN)
+    **{f"docs/results/gpu_steps_{k}.md": (_gpu_steps, v) for k, v in GPU_STEPS.items()}}
 
 
 def values(results: Path) -> dict[str, str]:
