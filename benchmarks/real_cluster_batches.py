@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(len(run.row["observed_speeds"])):
             lines += section(run, timelines, i)
         lines += sensitivity(run)
-    a.out.write_text("\n".join(lines))
+    a.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out}", file=sys.stderr)
 
 
