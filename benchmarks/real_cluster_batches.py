@@ -30,11 +30,12 @@ import sys
 from pathlib import Path
 
 from real_cluster_fixed import point_of
-from real_cluster_lib import fixed_workload, run_slos, served_clock, sim_states
+from real_cluster_lib import fixed_workload, make_workload, run_slos, served_clock, sim_states
 from real_cluster_steps import steps_of
 
 from flowyard.cluster.timeline import Timeline
 from flowyard.core.metrics import tpot
+from flowyard.core.plan import BatchShape
 from flowyard.costmodel.profiled import ProfiledCostModel
 from flowyard.experiments.provenance import machine
 from flowyard.experiments.report import md_table, source_revision
@@ -92,10 +93,21 @@ class Run:
         self.cost = ProfiledCostModel(str(self.path))
         n = self.meta.get("fixed_requests") or self.meta["requests_per_point"]
         self.workload = fixed_workload(row["workload"], n, row["fixed_rate"], slos, slo_cost)
+        self.search = make_workload(row["workload"], self.meta["requests_per_point"], slos, slo_cost)
 
-    def simulate(self, speed: float, drift=None, timeline: Timeline | None = None) -> list:
-        clock = served_clock(self.path, self.fit, self.cost, speed, drift)
-        return sim_states(self.workload, self.row["fixed_rate"], self.row["policy"], clock,
+    def clock(self, speed: float, drift=None, row_s: float = 0.0):
+        """The served clock at `speed`, with `row_s` more seconds per sampled row (at the
+        profile's speed) than the run's served-step terms."""
+        fit = {**self.fit, "row_s": float(self.fit.get("row_s", 0.0)) + row_s} if row_s else self.fit
+        return served_clock(self.path, fit, self.cost, speed, drift)
+
+    def simulate(self, speed: float, drift=None, timeline: Timeline | None = None, rate: float | None = None,
+                 row_s: float = 0.0) -> list:
+        """The fixed point (or, given a `rate`, the search's workload at that rate) on the served
+        clock at `speed` (`row_s`: see `clock`)."""
+        clock = self.clock(speed, drift, row_s)
+        w = self.workload if rate is None else self.search
+        return sim_states(w, self.row["fixed_rate"] if rate is None else rate, self.row["policy"], clock,
                           self.executor == "local", self.cost, timeline)
 
 
@@ -116,6 +128,48 @@ def section(run: Run, timelines: Path, i: int) -> list[str]:
                      rows), "",
             f"TPOT P50 / P90: real {real_point['tpot_p50'] * 1e3:.0f} / {real_point['tpot_p90'] * 1e3:.0f} ms, "
             f"simulated at this speed {sim_point['tpot_p50'] * 1e3:.0f} / {sim_point['tpot_p90'] * 1e3:.0f} ms.", ""]
+
+
+def search_section(run: Run, timelines: Path, i: int) -> list[str]:
+    """The i-th point of the real goodput search beside its simulation at the point's own served
+    speed (attainment, percentiles and every instance's steps)."""
+    r = run.row
+    rate, *speed = r["real_observed"][i]
+    name = f"timeline-{r['policy']}-{run.executor}-{r['workload']}-{i}.json"
+    tl = Timeline()
+    sim = point_of(run.simulate(speed[0], speed[1:], tl, rate=rate))
+    real = next((p for p in r["real_curve"] if abs(p[0] - rate) < 1e-9), None)
+    rows = step_rows("real", by_instance(json.loads((timelines / name).read_text())))
+    rows += step_rows("simulated", by_instance(tl.to_chrome()))
+    said = f"real attainment {real[1]:.0%}, " if real else ""
+    return [f"### `{r['policy']}` at {rate:.3f} req/s, search point {i} (served steps at {speed[0]:.3f}× the clock)",
+            "", md_table(("run", "instance", "kind", "steps", "busy s", "median step ms", "mean decodes",
+                          "max decodes"), rows), "",
+            f"{said}simulated at this speed {sim['attainment']:.0%}; simulated TTFT P50 {sim['ttft_p50']:.2f} s, "
+            f"TPOT P50 {sim['tpot_p50'] * 1e3:.0f} ms.", ""]
+
+
+BUCKETS = ((1, 1), (2, 2), (3, 3), (4, 4), (5, 8), (9, 12), (13, 64))
+
+
+def decode_ratios(run: Run, timelines: Path) -> list[str]:
+    """Every search point's decode-only steps over their price on the served clock at the point's
+    own speed, by how many sequences the step decoded: a speed read as one median hides a price
+    that is right for small batches and wrong for large ones."""
+    r = run.row
+    by: dict[tuple[int, int], list[float]] = {b: [] for b in BUCKETS}
+    for i, (_rate, speed, prompt, decode) in enumerate(r.get("real_observed") or []):
+        clock = run.clock(speed, [prompt, decode])
+        trace = json.loads((timelines / f"timeline-{r['policy']}-{run.executor}-{r['workload']}-{i}.json").read_text())
+        for kind, dur, _p, n, _t, shape in steps_of(trace):
+            if kind != "decode" or shape is None:
+                continue
+            bucket = next(b for b in BUCKETS if b[0] <= n <= b[1])
+            by[bucket].append(dur / float(clock.step_time(BatchShape(**shape))))
+    rows = [(f"{lo}" if lo == hi else f"{lo}-{hi}", len(v), f"{statistics.median(v):.2f}",
+             f"{sorted(v)[len(v) // 10]:.2f} – {sorted(v)[(9 * len(v)) // 10]:.2f}") for (lo, hi), v in by.items() if v]
+    return [f"### `{r['policy']}`: served decode steps over their price, by batch (every search point, each at "
+            "its own speed)", "", md_table(("decodes in the step", "steps", "median", "P10 – P90"), rows), ""]
 
 
 def sensitivity(run: Run) -> list[str]:
@@ -140,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, required=True, help="a finished --observed-speed run's work dir")
     ap.add_argument("--timelines", type=Path, help="where its timelines are (default: --work)")
     ap.add_argument("--policies", default="distserve,pla")
+    ap.add_argument("--search", action="store_true",
+                    help="also every point of each policy's real goodput search, at its own served speed")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if not (a.work / "rows.json").exists():
@@ -159,6 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     for run in runs:
         for i in range(len(run.row["observed_speeds"])):
             lines += section(run, timelines, i)
+        if a.search:
+            for i in range(len(run.row.get("real_observed") or [])):
+                lines += search_section(run, timelines, i)
+            lines += decode_ratios(run, timelines)
         lines += sensitivity(run)
     a.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out}", file=sys.stderr)
