@@ -98,11 +98,11 @@ def sample(
     A row with its own generator (a request with a seed) draws from it alone, so its tokens
     do not depend on what else shares the batch.
 
-    The sampled rows are one batch of tensor operations, as vLLM's sampler runs them: a loop
-    over rows, each with its own softmax and multinomial draw over the whole vocabulary, cost
-    milliseconds a row on a CPU and made a decode step of many sampled requests far dearer than
-    the forward pass the profile times. A token is drawn as argmax(p / E) with E ~ Exp(1)
-    (the exponential race, a draw from p); a seeded row takes its E from its own generator.
+    The sampled rows are one batch of tensor operations, and each draw takes one uniform number
+    (inverse CDF: a cumulative sum and a binary search): a loop over rows with a multinomial
+    draw each, which generates a random number per vocabulary entry on a CPU, cost milliseconds
+    a row and made a decode step of many sampled requests dearer than the forward pass the
+    profile times. A seeded row takes its uniform from its own generator.
     """
     import torch
 
@@ -129,12 +129,15 @@ def sample(
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= tops[:, None]  # always keeps the top token
         probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    race = torch.empty_like(probs)
+    u = torch.empty(len(hot), 1, dtype=probs.dtype, device=probs.device)
     seeded = [j for j, i in enumerate(hot) if generators[i] is not None]
     if len(seeded) < len(hot):
-        race.exponential_()
+        u.uniform_()
     for j in seeded:
-        race[j].exponential_(generator=generators[hot[j]])
-    picked = (probs / race).argmax(dim=-1)
+        u[j].uniform_(generator=generators[hot[j]])
+    cdf = probs.cumsum(dim=-1)
+    # inverse CDF: the first token whose cumulative mass reaches (1 - u) of the row's, u in [0, 1),
+    # so the target is above 0 and a token of zero mass (banned, cut) is never the first to reach it
+    picked = torch.searchsorted(cdf, (1.0 - u) * cdf[:, -1:]).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     out[hot] = picked
     return out.tolist()
