@@ -108,6 +108,7 @@ def test_readme_numbers_are_read_from_the_reports(tmp_path):
     (tmp_path / "real_cluster_conv_mixed_zen3_refix.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_repeats.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_clocked.md").write_text(REAL)
+    (tmp_path / "real_cluster_conv_mixed_zen3_sampler.md").write_text(REAL)
     (tmp_path / "real_cluster_conv_mixed_zen3_observed.md").write_text(REAL + "- local: per-request, each run clocked at "
                                                                        "the other runs' served step speeds (leave one run "
                                                                        "out): P50 within 15 %: 11 of 14; P90 within 25 %: "

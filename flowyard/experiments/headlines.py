@@ -123,6 +123,8 @@ SOURCES: dict[str, tuple[Callable[[str], dict[str, str]], str]] = {
     "docs/results/real_cluster_conv_mixed_zen3_observed.md": (_real_cluster, "zen3-obs-"),
     # ... and all seven again, every real point on a timeline server, clocked by served steps
     "docs/results/real_cluster_conv_mixed_zen3_clocked.md": (_real_cluster, "zen3-clk-"),
+    # ... and all seven again after the sampler drew a step's sampled rows in one batch
+    "docs/results/real_cluster_conv_mixed_zen3_sampler.md": (_real_cluster, "zen3-smp-"),
     # whole steps timed on one GPU and priced, never fitted on (one rank of a TP group: *_tpN)
     **{f"docs/results/gpu_steps_{k}.md": (_gpu_steps, v) for k, v in GPU_STEPS.items()}}
 
