@@ -118,7 +118,7 @@ def section(run: Run, timelines: Path, i: int) -> list[str]:
     speed = r["observed_speeds"][i]
     tl = Timeline()
     sim = run.simulate(speed[0], speed[1:], tl)
-    real_point = r["fixed_runs"][i]["real"]
+    real_point = (r.get("fixed_runs") or [{"real": r["real"]}])[i]["real"]  # one run: the row's own
     rows = step_rows("real", by_instance(json.loads((timelines / name).read_text())))
     rows += step_rows("simulated", by_instance(tl.to_chrome()))
     sim_point = point_of(sim)
