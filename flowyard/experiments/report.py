@@ -186,6 +186,13 @@ def source_revision(root: Path | None = None) -> str:
     return "" if not g.revision else g.short + (" + uncommitted changes" if g.dirty else "")
 
 
+def heading(title: str, rev: str) -> str:
+    """A report's first line, marked when `rev` (source_revision) is not a clean commit: numbers
+    from uncommitted code are no revision's, and a reader must see that before any of them."""
+    mark = "" if rev and "uncommitted" not in rev else "**Made from uncommitted code.**\n\n"
+    return f"{mark}# {title}"
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     out = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
