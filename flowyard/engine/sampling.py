@@ -118,11 +118,10 @@ def sample(
     rows = rows / temps[:, None]
     ks = [params[i].top_k if 0 < params[i].top_k < rows.shape[-1] else 0 for i in hot]
     if any(ks):  # keep each row's k largest (a row without a limit keeps them all)
-        kmax = max(ks)
-        kth = torch.topk(rows, kmax, dim=-1).values
-        cut = torch.stack([kth[j, k - 1] if k else torch.tensor(float("-inf"), dtype=rows.dtype)
-                           for j, k in enumerate(ks)])
-        rows = rows.masked_fill(rows < cut[:, None], float("-inf"))
+        k = torch.tensor(ks, device=rows.device)
+        kth = torch.topk(rows, max(ks), dim=-1).values
+        cut = kth.gather(-1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], float("-inf"))
+        rows = rows.masked_fill(rows < cut, float("-inf"))
     probs = torch.softmax(rows, dim=-1)
     tops = torch.tensor([params[i].top_p for i in hot], dtype=probs.dtype, device=probs.device)
     if bool((tops < 1.0).any()):  # nucleus: the smallest prefix of the sorted row reaching top_p
