@@ -93,17 +93,21 @@ def interference(points: list[dict], pred: list[float]) -> list[tuple]:
 
 def errors(data: dict) -> tuple[list[float], list[float]]:
     """(predicted ms, relative error against the graph replay) for every measured step."""
-    meta = data["meta"]
-    pred = price(data["points"], meta["model"], gpu_of(meta), DEFAULT_ENGINE_PROFILE, meta.get("tp", 1))
+    pred = priced(data)
     return pred, [q / p["graph_ms"] - 1 for p, q in zip(data["points"], pred)]
+
+
+def priced(data: dict) -> list[float]:
+    """`price` of a measurement file's steps, on the model, GPU and TP size it records."""
+    meta = data["meta"]
+    return price(data["points"], meta["model"], gpu_of(meta), DEFAULT_ENGINE_PROFILE, meta.get("tp", 1))
 
 
 def varlen_rows(data: dict, varlen: dict) -> list[tuple]:
     """Steps of several fresh prompts timed again with their attention as one variable-length
     call (`gpu_steps_measure.py --varlen`, as vLLM's prefill runs it): the per-prompt time, the
     one-call time and the prediction's error against each."""
-    meta = varlen["meta"]
-    pred = price(varlen["points"], meta["model"], gpu_of(meta), DEFAULT_ENGINE_PROFILE, meta.get("tp", 1))
+    pred = priced(varlen)
     per = {json.dumps([p["prefills"], p["decodes"]]): p["graph_ms"] for p in data["points"]}
     rows = []
     for p, q in zip(varlen["points"], pred):
