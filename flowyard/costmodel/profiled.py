@@ -1,7 +1,8 @@
 """A cost model fitted to `flowyard profile` measurements of the real engine.
 
 The GEMM operators (qkv_proj, o_proj, gate_up_proj, down_proj) depend on the number of tokens
-in the step only, but not linearly on a CPU (kernels change with the batch shape), so they are
+in the step only (the rows the engine multiplies: a profile's `gemm_row_padding` says how it
+pads small products, core/padding.py), but not linearly on a CPU (kernels change with the batch shape), so they are
 interpolated piecewise-linearly between the measured token counts and extrapolated along the
 last segment. The curve is made non-decreasing (a running maximum over the token counts): a
 noisy sample must not make more tokens cost less, since the schedulers' budget searches bisect
@@ -9,7 +10,7 @@ on step time. The others get a small linear form in the features that drive thei
 
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_work + e * prefill_kv
             + f * decode_seqs + g * decode_ctx
-  other:  a + b * tokens + c * sampled rows                          (embedding, lm_head, sampling)
+  other:  a + b * tokens + c * sampled rows (padded as the GEMMs)    (embedding, lm_head, sampling)
 
 `prefill_work` is the query-key products the engine's prefill kernel computes, which is not the
 causal pair count: PyTorch's CPU flash kernel takes keys in blocks of 512 (all of them below
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flowyard.core.padding import RowPadding
 from flowyard.core.plan import BatchShape
 from flowyard.costmodel.base import LAYER_OPS, CostModel, Seconds
 from flowyard.costmodel.serving import ServingTerms
@@ -66,14 +68,21 @@ def prefill_work(s: BatchShape) -> np.ndarray:
     return seqs * np.where(h >= 0.5, n * (h + n), fresh) * (np.asarray(s.prefill_seqs) > 0)
 
 
-def _features(op: str, s: BatchShape) -> list:
+def _features(op: str, s: BatchShape, pad: RowPadding | None = None) -> list:
     one = 1.0 + 0.0 * np.asarray(s.decode_ctx, dtype=float)  # broadcast to the run's shape
     if op == "attn":
         return [one, one * s.prefill_seqs, one * s.prefill_attn, one * prefill_work(s), one * s.prefill_kv,
                 one * s.decode_seqs, s.decode_ctx * one]
-    if op == "step_other":
-        return [one, one * s.tokens, one * (s.prefill_seqs + s.decode_seqs)]
+    if op == "step_other":  # the lm_head multiplies the sampled rows
+        rows = np.asarray(s.prefill_seqs) + np.asarray(s.decode_seqs)
+        return [one, one * s.tokens, one * (rows if pad is None else pad.rows(rows))]
     return [one, one * s.tokens]
+
+
+def gemm_rows(s: BatchShape, pad: RowPadding | None) -> np.ndarray:
+    """Rows the step's layer GEMMs multiply: its tokens, padded as the engine pads them."""
+    n = np.asarray(s.tokens) + 0 * np.asarray(s.decode_ctx)  # broadcast to the run's shape
+    return np.asarray(n if pad is None else pad.rows(n), dtype=float)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -110,6 +119,7 @@ class ProfiledCostModel(CostModel):
             self.num_layers = int(profile["num_layers"])
             self._kv_bytes = int(profile["kv_bytes_per_token"])
             samples = profile["samples"]
+            self.row_padding = RowPadding.from_dict(profile.get("gemm_row_padding"))
             shapes = [BatchShape(**s["shape"]) for s in samples]
             times = {op: np.array([s["times"][op] for s in samples]) for op in (*LAYER_OPS, "step_other")}
         except (KeyError, TypeError, ValueError) as e:
@@ -127,13 +137,13 @@ class ProfiledCostModel(CostModel):
         self._k = self.serving.scale
         self.coef: dict[str, np.ndarray] = {}
         self.curve: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        tokens = np.array([float(s.tokens) for s in shapes])
+        tokens = np.array([float(gemm_rows(s, self.row_padding)) for s in shapes])
         for op, t in times.items():
             if op in GEMM_OPS:
                 xs = np.unique(tokens)
                 self.curve[op] = (xs, np.maximum.accumulate([t[tokens == x].mean() for x in xs]))
                 continue
-            x = np.array([[float(f) for f in _features(op, s)] for s in shapes])
+            x = np.array([[float(f) for f in _features(op, s, self.row_padding)] for s in shapes])
             if op == "attn" and not kernel_work:
                 x[:, WORK_COLUMN] = 0.0  # nnls then leaves its coefficient at zero
             w = 1.0 / np.maximum(t, 1e-6)
@@ -147,14 +157,14 @@ class ProfiledCostModel(CostModel):
     def _op(self, op: str, shape: BatchShape) -> Seconds:
         if op in self.curve:
             xs, ys = self.curve[op]
-            n = shape.tokens + 0.0 * np.asarray(shape.decode_ctx, dtype=float)
+            n = gemm_rows(shape, self.row_padding)
             inside = np.interp(n, xs, ys)
             if len(xs) < 2:
                 return inside
             slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
             return np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), inside)
         total: Seconds = 0.0
-        for c, f in zip(self.coef[op], _features(op, shape)):
+        for c, f in zip(self.coef[op], _features(op, shape, self.row_padding)):
             total = total + c * f
         return total
 

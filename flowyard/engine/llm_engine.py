@@ -99,6 +99,8 @@ class LLMEngine:
         self.model.linear.skinny_mm = (config.attention != "exact" and self.dtype == torch.float32
                                        and self.model.embed.weight.device.type == "cpu"
                                        and skinny_gemm.transposed_faster())
+        self.model.linear.row_padding = (skinny_gemm.ROW_PADDING if self.model.linear.skinny_mm
+                                         and skinny_gemm.padding_faster() else None)
         cfg = model.cfg
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize

@@ -20,6 +20,7 @@ from torch import nn
 
 from flowyard.engine.attention import AttentionBatch, paged_attention, write_kv
 from flowyard.engine.config import ModelConfig
+from flowyard.core.padding import RowPadding
 from flowyard.engine import skinny_gemm
 from flowyard.engine.gemv_kernel import gemv_bf16
 
@@ -90,6 +91,8 @@ class PackedLinear:
         # Set by the engine (not in `exact` mode): float32 calls of a few rows run as W @ x^T
         # where that measured faster (engine/skinny_gemm.py).
         self.skinny_mm = False
+        # Set by the engine with skinny_mm: the rows those products are padded to, if any.
+        self.row_padding: RowPadding | None = None
 
     def clear(self) -> None:
         self._cache.clear()
@@ -98,7 +101,7 @@ class PackedLinear:
         if self.small_gemv and gemv_bf16.supports(x, weight, bias):
             return gemv_bf16(x, weight, bias)
         if self.skinny_mm and skinny_gemm.supports(x, weight):
-            return skinny_gemm.linear(x, weight, bias)
+            return skinny_gemm.linear(x, weight, bias, self.row_padding)
         if weight.dtype != torch.bfloat16 or not self.available or x.requires_grad or x.dim() != 2:
             return F.linear(x, weight, bias)
         if self.large_f32 and x.shape[0] >= F32_MIN_ROWS:

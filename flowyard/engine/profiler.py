@@ -50,7 +50,8 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
     pre = [16, 64, 128, 256, 512, 1024] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
     # Every small batch size: CPU GEMMs with an odd number of rows are much slower than their
     # neighbours (3 decodes took 126 ms, 4 took 94 ms), which powers of two alone interpolate away.
-    batches = [1, 3, 4, 16] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64]
+    # 8 and 32: where the engine pads small GEMMs to (core/padding.py), 5-8 and 17-32 rows cost those.
+    batches = [1, 3, 4, 8, 16, 32] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64]
     ctxs = [128, 1024] if quick else [64, 256, 1024, 2048]
     grid = [GridPoint(prefill=[(0, n)]) for n in pre]
     grid += [GridPoint(prefill=[(h, 256)]) for h in ([512] if quick else [256, 1024])]
@@ -175,6 +176,8 @@ def run_profile(runner: ModelRunner, *, grid: list[GridPoint] | None = None, rep
         "version": PROFILE_VERSION, "model": name, "dtype": str(weights).removeprefix("torch."),
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "attention": "paged" if runner.paged_decode else "grouped" if runner.grouped_decode else "exact",
+        # the rows the engine's small GEMMs are padded to: the fit prices each at those rows
+        "gemm_row_padding": None if model.linear.row_padding is None else model.linear.row_padding.to_dict(),
         "num_layers": cfg.num_layers, "kv_bytes_per_token": kv_bytes, "block_size": runner.bs,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__},

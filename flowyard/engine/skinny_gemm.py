@@ -10,6 +10,12 @@ each weight once. Which layout is faster is measured once per process, since CPU
 do not tell; FLOWYARD_SKINNY_GEMM=linear|mm decides instead. The sums are float32 either way,
 only their order differs (last-bit differences). Measured in benchmarks/results/skinny_gemm.md
 (`python benchmarks/skinny_gemm_speed.py`).
+
+The same MKL product runs fast only for a skinny side that is a multiple of 8 there (15 rows cost
+about twice 16), so the engine pads a product of 7 to 32 rows up to the next multiple of 8
+(`ROW_PADDING`, flowyard/core/padding.py), where that measured faster; zero rows cost the GEMM
+nothing extra and are cut from the result. Its profile records the rule so the simulator prices
+the rows actually multiplied.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from flowyard.core.padding import RowPadding
+
 MAX_ROWS = 32  # rows up to which W @ x^T is used (at 64 F.linear was as fast or faster)
+ROW_PADDING = RowPadding(multiple=8, pad_from=7, max_rows=MAX_ROWS)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -32,16 +41,22 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device.type == "cpu" and not x.requires_grad)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed as (weight @ x^T)^T, contiguous."""
-    out = torch.mm(weight, x.t()).t().contiguous()
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           padding: RowPadding | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed as (weight @ x^T)^T, contiguous; with `padding`, over
+    x padded with zero rows to the rule's row count."""
+    n = x.shape[0]
+    m = n if padding is None else padding.rows(n)
+    xt = x.t() if m == n else F.pad(x, (0, 0, 0, m - n)).t()
+    out = torch.mm(weight, xt)[:, :n].t().contiguous()
     return out if bias is None else out.add_(bias)
 
 
 @functools.cache
 def transposed_faster() -> bool:
-    """Whether W @ x^T beats F.linear on a float32 product of 4 rows here (best of three
-    each way, on a 16,384 x 576 weight, larger than the caches: about 20 ms once per process)."""
+    """Whether W @ x^T beats F.linear on a float32 product of 4 rows here (best of seven
+    each way, on a 16,384 x 576 weight, larger than the caches: about 70 ms once per process;
+    best of three once chose F.linear on a machine still busy from a benchmark)."""
     forced = os.environ.get("FLOWYARD_SKINNY_GEMM", "auto")
     if forced not in ("auto", "linear", "mm"):
         raise ValueError(f"FLOWYARD_SKINNY_GEMM must be auto, linear or mm, got {forced!r}")
@@ -49,7 +64,21 @@ def transposed_faster() -> bool:
         return forced == "mm"
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(16_384, 576, generator=gen), torch.randn(4, 576, generator=gen)
-    return best_seconds(lambda: linear(x, w)) < 0.8 * best_seconds(lambda: F.linear(x, w))
+    return best_seconds(lambda: linear(x, w), 8) < 0.8 * best_seconds(lambda: F.linear(x, w), 8)
+
+
+@functools.cache
+def padding_faster() -> bool:
+    """Whether the padded product beats the unpadded one on 15 rows of a 3,072 x 576 weight
+    (SmolLM2's gate_up) here, best of seven each; FLOWYARD_SKINNY_PAD=on|off decides instead."""
+    forced = os.environ.get("FLOWYARD_SKINNY_PAD", "auto")
+    if forced not in ("auto", "on", "off"):
+        raise ValueError(f"FLOWYARD_SKINNY_PAD must be auto, on or off, got {forced!r}")
+    if forced != "auto":
+        return forced == "on"
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3072, 576, generator=gen), torch.randn(15, 576, generator=gen)
+    return best_seconds(lambda: linear(x, w, padding=ROW_PADDING), 8) < 0.8 * best_seconds(lambda: linear(x, w), 8)
 
 
 def best_seconds(fn: Callable[[], object], runs: int = 4) -> float:
