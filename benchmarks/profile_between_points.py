@@ -101,19 +101,13 @@ def main() -> None:
            f"{host['cpu']}, {host['cpus']} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads); "
            f"padding rule {skinny_gemm.ROW_PADDING}. Each cell: median / P90 of |real step / its profile's price - 1| "
            "over the group's steps (their count).", ""]
-    # One speed factor per profile (the median of real over price over every step): what is left
-    # is the shape of the cost curve, which a real-cluster run's clock (one speed) cannot mend.
-    level = {s: statistics.median(statistics.median(times[(s, k, n)]) / float(models[s].step_time(
-        BatchShape.of(p.prefill, p.decode))) for k, n, p in pts) for s in settings}
     head = "| steps | " + " | ".join(f"{s}: median / P90 |error| (steps)" for s in settings)
     lines = [head + " | " + " | ".join(f"{s}: held out" for s in settings) + " | "
-             + " | ".join(f"{s}: held out, after one speed factor" for s in settings) + " | step time padded / unpadded |",
-             "|---|" + "---|" * (3 * len(settings) + 1)]
+             + "step time padded / unpadded |", "|---|" + "---|" * (2 * len(settings) + 1)]
     for label, kind, lo, hi in (*GROUPS, ("all", "", 0, 999)):
         sel = [(k, n, p) for k, n, p in pts if (not kind or k == kind) and (kind != "d" or lo <= n <= hi)]
         errs = {s: [] for s in settings}
         held = {s: [] for s in settings}
-        shaped = {s: [] for s in settings}
         for k, n, p in sel:
             shape = BatchShape.of(p.prefill, p.decode)
             for s in settings:
@@ -122,15 +116,10 @@ def main() -> None:
                 errs[s].append(e)
                 if tokens(p) not in grid_tokens:
                     held[s].append(e)
-                    shaped[s].append((1 + e) / level[s] - 1)
         speed = [statistics.median(times[("padded", k, n)]) / statistics.median(times[("unpadded", k, n)])
                  for k, n, _ in sel]
         lines.append(f"| {label} | " + " | ".join(summary(errs[s]) for s in settings) + " | "
-                     + " | ".join(summary(held[s]) for s in settings) + " | "
-                     + " | ".join(summary(shaped[s]) for s in settings) + f" | {statistics.median(speed):.2f}x median |")
-    lines.append("")
-    lines.append("Speed factor (median real / price over every step): "
-                 + ", ".join(f"{s} {level[s]:.2f}" for s in settings))
+                     + " | ".join(summary(held[s]) for s in settings) + f" | {statistics.median(speed):.2f}x median |")
     out += [*lines, "", "Every step (ms, median over rounds; price in brackets):", "",
             "| step | tokens | " + " | ".join(settings) + " |", "|---|---:|" + "---|" * len(settings)]
     for k, n, p in pts:
