@@ -66,7 +66,7 @@ def test_engine_pads_where_the_switch_says(monkeypatch):
         assert LLMEngine.from_path(None, EngineConfig(dtype="bfloat16")).model.linear.row_padding is None
         monkeypatch.setenv("FLOWYARD_SKINNY_PAD", "yes")
         skinny_gemm.padding_faster.cache_clear()
-        with pytest.raises(ValueError, match="FLOWYARD_SKINNY_PAD must be auto, on or off, got 'yes'"):
+        with pytest.raises(ValueError, match="FLOWYARD_SKINNY_PAD must be auto, off or on, got 'yes'"):
             skinny_gemm.padding_faster()
     finally:
         skinny_gemm.transposed_faster.cache_clear()
@@ -137,3 +137,22 @@ def test_a_profile_records_the_engines_padding(tmp_path):
         prof = run_profile(engine.runner, grid=grid, repeats=1, name="tiny")
         assert prof["gemm_row_padding"] == (None if pad is None else PAD.to_dict())
         assert ProfiledCostModel(prof).row_padding == pad
+
+
+def test_the_between_points_benchmark_keeps_each_samples_median_over_passes():
+    """benchmarks/profile_between_points.py alternates the two profiles' passes and fits each on
+    the per-operator medians of its passes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from profile_between_points import median_profile
+
+    passes = [_profile(None) for _ in range(3)]
+    for k, p in enumerate(passes):
+        for s in p["samples"]:
+            s["times"] = {op: t * (1, 5, 2)[k] for op, t in s["times"].items()}
+    merged = median_profile(passes)
+    assert merged["passes"] == 3 and len(merged["samples"]) == len(passes[0]["samples"])
+    assert merged["samples"][0]["times"] == {op: 2 * t for op, t in _profile(None)["samples"][0]["times"].items()}
+    ProfiledCostModel(merged)  # still a profile

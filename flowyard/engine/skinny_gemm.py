@@ -52,33 +52,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
+def faster(env: str, on: str, off: str, rows: int, out_features: int, fast: Callable, slow: Callable) -> bool:
+    """Whether `fast(x, w)` beats `slow(x, w)` by 0.8x on `rows` rows of an `out_features` x 576
+    weight here (best of seven each), unless the environment variable `env` says `on` or `off`."""
+    forced = os.environ.get(env, "auto")
+    if forced not in ("auto", on, off):
+        raise ValueError(f"{env} must be auto, {off} or {on}, got {forced!r}")
+    if forced != "auto":
+        return forced == on
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_features, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+    return best_seconds(lambda: fast(x, w), 8) < 0.8 * best_seconds(lambda: slow(x, w), 8)
+
+
 @functools.cache
 def transposed_faster() -> bool:
-    """Whether W @ x^T beats F.linear on a float32 product of 4 rows here (best of seven
-    each way, on a 16,384 x 576 weight, larger than the caches: about 70 ms once per process;
-    best of three once chose F.linear on a machine still busy from a benchmark)."""
-    forced = os.environ.get("FLOWYARD_SKINNY_GEMM", "auto")
-    if forced not in ("auto", "linear", "mm"):
-        raise ValueError(f"FLOWYARD_SKINNY_GEMM must be auto, linear or mm, got {forced!r}")
-    if forced != "auto":
-        return forced == "mm"
-    gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(16_384, 576, generator=gen), torch.randn(4, 576, generator=gen)
-    return best_seconds(lambda: linear(x, w), 8) < 0.8 * best_seconds(lambda: F.linear(x, w), 8)
+    """Whether W @ x^T beats F.linear on a float32 product of 4 rows of a 16,384 x 576 weight,
+    larger than the caches (about 70 ms once per process; best of three once chose F.linear on
+    a machine still busy from a benchmark); FLOWYARD_SKINNY_GEMM=linear|mm decides instead."""
+    return faster("FLOWYARD_SKINNY_GEMM", "mm", "linear", 4, 16_384, linear, F.linear)
 
 
 @functools.cache
 def padding_faster() -> bool:
     """Whether the padded product beats the unpadded one on 15 rows of a 3,072 x 576 weight
-    (SmolLM2's gate_up) here, best of seven each; FLOWYARD_SKINNY_PAD=on|off decides instead."""
-    forced = os.environ.get("FLOWYARD_SKINNY_PAD", "auto")
-    if forced not in ("auto", "on", "off"):
-        raise ValueError(f"FLOWYARD_SKINNY_PAD must be auto, on or off, got {forced!r}")
-    if forced != "auto":
-        return forced == "on"
-    gen = torch.Generator().manual_seed(0)
-    w, x = torch.randn(3072, 576, generator=gen), torch.randn(15, 576, generator=gen)
-    return best_seconds(lambda: linear(x, w, padding=ROW_PADDING), 8) < 0.8 * best_seconds(lambda: linear(x, w), 8)
+    (SmolLM2's gate_up); FLOWYARD_SKINNY_PAD=on|off decides instead."""
+    return faster("FLOWYARD_SKINNY_PAD", "on", "off", 15, 3072,
+                  lambda x, w: linear(x, w, padding=ROW_PADDING), linear)
 
 
 def best_seconds(fn: Callable[[], object], runs: int = 4) -> float:
