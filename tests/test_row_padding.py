@@ -15,7 +15,7 @@ from flowyard.costmodel.base import LAYER_OPS
 from flowyard.costmodel.profiled import GEMM_OPS, ProfiledCostModel, ProfileError
 from flowyard.engine import skinny_gemm
 
-PAD = RowPadding(multiple=8, pad_from=6, max_rows=32)
+PAD = RowPadding(((6, 32, 8),))
 
 
 @given(st.integers(1, 200))
@@ -34,8 +34,18 @@ def test_row_counts_never_fall_as_rows_grow():
     assert all(b >= a for a, b in zip(rows, rows[1:]))
 
 
+def test_the_engines_rule_pads_three_rows_to_four_and_seven_to_32_to_multiples_of_8():
+    rule = skinny_gemm.ROW_PADDING
+    assert [rule.rows(n) for n in range(1, 10)] == [1, 2, 4, 4, 5, 6, 8, 8, 16]
+    assert rule.rows(31) == 32 and rule.rows(33) == 33
+    # a profile made before 3 rows were padded records the one-range form
+    assert RowPadding.from_dict({"multiple": 8, "pad_from": 7, "max_rows": 32}) == RowPadding(((7, 32, 8),))
+    assert RowPadding.from_dict(rule.to_dict()) == rule
+
+
 @pytest.mark.parametrize("bad", [{"multiple": 8, "pad_from": 6, "max_rows": 30}, {"multiple": 0, "pad_from": 1, "max_rows": 4},
-                                 {"multiple": 8.5, "pad_from": 6, "max_rows": 32}, {"rows": 8}, [8]])
+                                 {"multiple": 8.5, "pad_from": 6, "max_rows": 32}, {"rows": 8}, [8],
+                                 {"ranges": [[7, 32, 8], [3, 4, 4]]}, {"ranges": [[3, 4]]}, {"ranges": [3, 4, 4]}])
 def test_a_malformed_rule_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="row padding"):
         RowPadding.from_dict(bad)

@@ -11,9 +11,9 @@ do not tell; FLOWYARD_SKINNY_GEMM=linear|mm decides instead. The sums are float3
 only their order differs (last-bit differences). Measured in benchmarks/results/skinny_gemm.md
 (`python benchmarks/skinny_gemm_speed.py`).
 
-The same MKL product runs fast only for a skinny side that is a multiple of 8 there (15 rows cost
-about twice 16), so the engine pads a product of 7 to 32 rows up to the next multiple of 8
-(`ROW_PADDING`, flowyard/core/padding.py), where that measured faster; zero rows cost the GEMM
+The same MKL product runs fast only at some skinny sides there (15 rows cost about twice 16, 3
+rows more than 4), so the engine pads a product of 3 rows to 4 and of 7 to 32 rows up to the
+next multiple of 8 (`ROW_PADDING`, flowyard/core/padding.py), where that measured faster; zero rows cost the GEMM
 nothing extra and are cut from the result. Its profile records the rule so the simulator prices
 the rows actually multiplied.
 """
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from flowyard.core.padding import RowPadding
 
 MAX_ROWS = 32  # rows up to which W @ x^T is used (at 64 F.linear was as fast or faster)
-ROW_PADDING = RowPadding(multiple=8, pad_from=7, max_rows=MAX_ROWS)
+ROW_PADDING = RowPadding(((3, 4, 4), (7, MAX_ROWS, 8)))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
