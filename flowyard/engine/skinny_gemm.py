@@ -13,9 +13,9 @@ only their order differs (last-bit differences). Measured in benchmarks/results/
 
 The same MKL product runs fast only at some skinny sides there (15 rows cost about twice 16, 3
 rows more than 4), so the engine pads a product of 3 rows to 4 and of 7 to 32 rows up to the
-next multiple of 8 (`ROW_PADDING`, flowyard/core/padding.py), where that measured faster; zero rows cost the GEMM
-nothing extra and are cut from the result. Its profile records the rule so the simulator prices
-the rows actually multiplied.
+next multiple of 8 (`ROW_PADDING`, flowyard/core/padding.py), where that measured faster (the
+zero rows are multiplied, then cut from the result). Its profile records the rule so the
+simulator prices the rows actually multiplied.
 """
 
 from __future__ import annotations
