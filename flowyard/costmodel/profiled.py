@@ -3,10 +3,11 @@
 The GEMM operators (qkv_proj, o_proj, gate_up_proj, down_proj) depend on the number of tokens
 in the step only (the rows the engine multiplies: a profile's `gemm_row_padding` says how it
 pads small products, core/padding.py), but not linearly on a CPU (kernels change with the batch
-shape), so they are interpolated piecewise-linearly between the measured token counts and extrapolated along the
-last segment. The curve is made non-decreasing (a running maximum over the token counts): a
-noisy sample must not make more tokens cost less, since the schedulers' budget searches bisect
-on step time. The others get a small linear form in the features that drive their cost:
+shape), so they are interpolated piecewise-linearly between the measured token counts and
+extrapolated along the last segment. The curve is made non-decreasing (a running maximum over
+the token counts): a noisy sample must not make more tokens cost less, since the schedulers'
+budget searches bisect on step time. It also carries a slow count up to the counts above it,
+which is why the engine pads the slow ones away rather than the curve keeping them. The others get a small linear form in the features that drive their cost:
 
   attn:   a + b * prefill_seqs + c * prefill_attn + d * prefill_work + e * prefill_kv
             + f * decode_seqs + g * decode_ctx
