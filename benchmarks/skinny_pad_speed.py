@@ -6,7 +6,8 @@ count from 1 to 40, unpadded and padded by `skinny_gemm.ROW_PADDING`. Part 2 tim
 model's whole float32 steps through the profiler's own path (`time_point`, the engine's runner):
 decode steps of 1 to 24 sequences and prefill chunks of 9 to 31 tokens over 512 cached tokens
 beside two decodes, padding off and on. Each cell is the best of `--rounds` interleaved rounds
-(median beside it), so a slow minute on a shared VM hits both columns alike.
+(median beside it), so a slow minute on a shared VM hits both columns alike; which setting goes
+first alternates by round.
 
 Run: python benchmarks/skinny_pad_speed.py [--rounds 5]
 """
@@ -31,6 +32,9 @@ from flowyard.experiments.report import heading, source_revision
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 PAD = skinny_gemm.ROW_PADDING
+# Which setting runs first alternates by round: the second of a back-to-back pair ran about 15 %
+# slower on identical code (1, 2 and 4 rows, which are not padded) when padded always went second.
+ORDER = ((False, True), (True, False))
 
 
 def layer_ms(ws: list[torch.Tensor], xs: list[torch.Tensor], padded: bool, reps: int = 10) -> float:
@@ -53,9 +57,9 @@ def kernel_table(rounds: int) -> list[str]:
     rows = range(1, 41)
     xs = {n: [torch.randn(n, i, generator=gen) for _, i in LAYER] for n in rows}
     runs: dict[tuple[int, bool], list[float]] = {(n, p): [] for n in rows for p in (False, True)}
-    for _ in range(rounds):
+    for r in range(rounds):
         for n in rows:
-            for p in (False, True):
+            for p in ORDER[r % 2]:
                 runs[(n, p)].append(layer_ms(ws, xs[n], p))
     lines = ["| rows | padded to | unpadded ms | padded ms (ratio) |", "|---:|---:|---:|---|"]
     for n in rows:
@@ -73,7 +77,7 @@ def step_table(rounds: int) -> list[str]:
     runs: dict[tuple[str, bool], list[float]] = {(k, p): [] for k, _ in points for p in (False, True)}
     for r in range(rounds):
         for key, point in points:
-            for p in (False, True):
+            for p in ORDER[r % 2]:
                 engine.model.linear.row_padding = PAD if p else None
                 runs[(key, p)].append(1e3 * step_seconds(time_point(runner, point, repeats=2), layers))
         print(f"round {r + 1}/{rounds}: load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
