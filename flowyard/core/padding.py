@@ -19,9 +19,7 @@ Range = tuple[int, int, int]  # (lo, hi, multiple): lo <= n <= hi rounds up to a
 
 @dataclass(frozen=True)
 class RowPadding:
-    # 3 rows as 4; 7 to 32 rows to a multiple of 8 (5 and 6 rows unpadded were faster than 8;
-    # past 32 rows the engine calls F.linear, unpadded)
-    ranges: tuple[Range, ...] = ((3, 4, 4), (7, 32, 8))
+    ranges: tuple[Range, ...]  # the engine's rule: skinny_gemm.ROW_PADDING
 
     def __post_init__(self) -> None:
         last = 0

@@ -50,7 +50,8 @@ def default_grid(quick: bool = False) -> list[GridPoint]:
     pre = [16, 64, 128, 256, 512, 1024] if quick else [16, 32, 64, 128, 256, 512, 1024, 2048]
     # Every small batch size: CPU GEMMs with an odd number of rows are much slower than their
     # neighbours (3 decodes took 126 ms, 4 took 94 ms), which powers of two alone interpolate away.
-    # 8 and 32: where the engine pads small GEMMs to (core/padding.py), 5-8 and 17-32 rows cost those.
+    # 8 and 32: row counts the engine pads small GEMMs to (skinny_gemm.ROW_PADDING: 7-8 rows run
+    # as 8, 25-32 as 32), so the curve is measured where those steps land.
     batches = [1, 3, 4, 8, 16, 32] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64]
     ctxs = [128, 1024] if quick else [64, 256, 1024, 2048]
     grid = [GridPoint(prefill=[(0, n)]) for n in pre]

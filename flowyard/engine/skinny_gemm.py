@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from flowyard.core.padding import RowPadding
 
 MAX_ROWS = 32  # rows up to which W @ x^T is used (at 64 F.linear was as fast or faster)
+# 3 rows as 4; 7 to 32 rows to a multiple of 8 (5 and 6 rows unpadded were faster than 8; past
+# MAX_ROWS the engine calls F.linear, unpadded)
 ROW_PADDING = RowPadding(((3, 4, 4), (7, MAX_ROWS, 8)))
 
 
